@@ -1,0 +1,63 @@
+// The narrow communication interface every backend implements (MPI for CPU tensors,
+// NCCL for CUDA tensors). Every operation takes tensors plus a small argument list and
+// returns a Work handle; blocking forms are wait() on that handle.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "decent_dp/work.h"
+
+namespace decent_dp {
+
+enum class ReduceOp { kSum, kAvg };
+enum class Backend { kMpi, kNccl };
+
+const char* to_string(ReduceOp op);
+const char* to_string(Backend backend);
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual Backend backend() const = 0;
+  // This process's rank and the number of ranks.
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Rank among, and number of, the ranks sharing this node.
+  virtual int local_rank() const = 0;
+  virtual int local_size() const = 0;
+
+  // Collective over all ranks, which must pass the same list in the same order: creates
+  // one sub-communicator for every rank list (ascending ranks) that contains this rank.
+  // Lists already created are skipped. Throws InvalidArgument when the lists differ across
+  // ranks or are malformed.
+  virtual void make_groups(const std::vector<std::vector<int>>& groups) = 0;
+  // True when allreduce() accepts `ranks` (created by make_groups, the whole world, or
+  // this rank alone).
+  virtual bool has_group(const std::vector<int>& ranks) const = 0;
+
+  // Asynchronous in-place all-reduce of `tensor` over the group `ranks` (ascending, must
+  // contain this rank). kAvg divides the sum by the group size, in the tensor's dtype.
+  virtual std::shared_ptr<Work> allreduce(const at::Tensor& tensor, const std::vector<int>& ranks,
+                                          ReduceOp op) = 0;
+  // Asynchronous broadcast of `tensor` from world rank `root` to every rank.
+  virtual std::shared_ptr<Work> broadcast(const at::Tensor& tensor, int root) = 0;
+  // Asynchronous all-gather over all ranks: `output` holds size() * input.numel() elements
+  // of input's dtype; rank r's input lands at elements [r * n, (r + 1) * n).
+  virtual std::shared_ptr<Work> allgather(const at::Tensor& output, const at::Tensor& input) = 0;
+  // Blocks until every rank has entered the barrier (honours the default timeout).
+  virtual void barrier() = 0;
+
+  // Default timeout of the Work handles this communicator returns.
+  virtual std::chrono::milliseconds timeout() const = 0;
+};
+
+// "[0,1,2]"
+std::string ranks_to_string(const std::vector<int>& ranks);
+
+}  // namespace decent_dp

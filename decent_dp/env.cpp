@@ -1,0 +1,54 @@
+#include "decent_dp/env.h"
+
+#include <cstdlib>
+#include <stdexcept>
+
+#include "decent_dp/errors.h"
+
+namespace decent_dp {
+namespace env {
+namespace {
+
+std::string read(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? std::string() : std::string(v);
+}
+
+int64_t read_int(const char* name, int64_t fallback, int64_t min_value) {
+  const std::string text = read(name);
+  if (text.empty()) {
+    return fallback;
+  }
+  size_t used = 0;
+  int64_t value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || value < min_value) {
+    throw InvalidArgument(detail::cat("environment variable ", name, " must be an integer >= ",
+                                      min_value, ", got '", text, "'"));
+  }
+  return value;
+}
+
+}  // namespace
+
+std::string log_level() {
+  static const std::string value = read("DECENT_DP_LOG_LEVEL");
+  return value;
+}
+
+int64_t timeout_ms() {
+  static const int64_t value = read_int("DECENT_DP_TIMEOUT_MS", 600000, 1);
+  return value;
+}
+
+int64_t progress_interval_us() {
+  static const int64_t value = read_int("DECENT_DP_PROGRESS_INTERVAL_US", 50, 0);
+  return value;
+}
+
+}  // namespace env
+}  // namespace decent_dp

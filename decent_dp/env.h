@@ -1,0 +1,23 @@
+// Every environment override of the library, declared in one place and read once.
+//
+//   DECENT_DP_LOG_LEVEL          trace | debug | info | warn | error | off   (default warn)
+//   DECENT_DP_TIMEOUT_MS         default timeout of Work::wait() in ms        (default 600000)
+//   DECENT_DP_PROGRESS_INTERVAL_US  sleep between two polls of the MPI progress thread
+//                                while nobody waits, in microseconds        (default 50)
+//
+// Options structs take precedence only when their fields are set explicitly; the
+// environment supplies the defaults.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace decent_dp {
+namespace env {
+
+std::string log_level();
+int64_t timeout_ms();
+int64_t progress_interval_us();
+
+}  // namespace env
+}  // namespace decent_dp

@@ -1,0 +1,296 @@
+#include "torch_catch.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "decent_dp/errors.h"
+#include "mpi_test_util.h"
+#include "topology/topology.h"
+
+using namespace decent_dp;
+using decent_dp::testing::comm;
+
+namespace {
+
+// Input of rank r at element i: (r + 1) * (i % 3 + 1). Small integers, so every partial sum
+// is exact even in bfloat16 (8 bits of mantissa) for up to 8 ranks.
+double input_value(int rank, int64_t i) { return (rank + 1.0) * static_cast<double>(i % 3 + 1); }
+
+at::Tensor make_input(int rank, int64_t n, at::ScalarType dtype) {
+  auto t = at::arange(n, at::TensorOptions().dtype(at::kDouble));
+  t = t.remainder(3).add(1).mul(rank + 1).to(dtype);
+  return t.contiguous();
+}
+
+// The closed-form result of reducing make_input over `ranks`, computed the way the
+// backend's kAvg does: exact sum, then one division in the tensor's dtype (float opmath).
+template <typename T>
+T expected_value(const std::vector<int>& ranks, int64_t i, ReduceOp op) {
+  double sum = 0.0;
+  for (int r : ranks) {
+    sum += input_value(r, i);
+  }
+  if (op == ReduceOp::kSum) {
+    return static_cast<T>(sum);
+  }
+  if (std::is_same<T, double>::value) {
+    return static_cast<T>(sum / static_cast<double>(ranks.size()));
+  }
+  return static_cast<T>(static_cast<float>(sum) / static_cast<float>(ranks.size()));
+}
+
+template <typename T>
+int64_t count_wrong(const at::Tensor& t, const std::vector<int>& ranks, ReduceOp op) {
+  const T* p = t.data_ptr<T>();
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const T want = expected_value<T>(ranks, i, op);
+    if (!(static_cast<double>(p[i]) == static_cast<double>(want))) {
+      ++wrong;
+    }
+  }
+  return wrong;
+}
+
+int64_t count_wrong_any(const at::Tensor& t, const std::vector<int>& ranks, ReduceOp op) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return count_wrong<float>(t, ranks, op);
+    case at::kDouble:
+      return count_wrong<double>(t, ranks, op);
+    case at::kBFloat16:
+      return count_wrong<c10::BFloat16>(t, ranks, op);
+    case at::kHalf:
+      return count_wrong<c10::Half>(t, ranks, op);
+    case at::kInt:
+      return count_wrong<int32_t>(t, ranks, op);
+    case at::kLong:
+      return count_wrong<int64_t>(t, ranks, op);
+    default:
+      return -1;
+  }
+}
+
+bool is_power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
+
+std::vector<std::unique_ptr<topology::Topology>> topologies_for(int n) {
+  std::vector<std::unique_ptr<topology::Topology>> out;
+  out.push_back(topology::make_topology("complete", n, 1));
+  if (n % 2 == 0 || n == 1) out.push_back(topology::make_topology("ring", n, 1));
+  if (is_power_of_two(n)) out.push_back(topology::make_topology("exp", n, 1));
+  for (int lws = 2; lws <= n; ++lws) {
+    if (n % lws == 0 && is_power_of_two(n / lws) && n / lws >= 2) {
+      out.push_back(topology::make_topology("aer", n, lws));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("ranks and local ranks", "[mpi]") {
+  auto& c = comm();
+  CHECK(c.rank() >= 0);
+  CHECK(c.rank() < c.size());
+  CHECK(c.local_size() >= 1);
+  CHECK(c.local_rank() < c.local_size());
+  CHECK(c.backend() == Backend::kMpi);
+  // All ranks of this test run on one node.
+  CHECK(c.local_size() == c.size());
+  CHECK(c.local_rank() == c.rank());
+}
+
+TEST_CASE("group all-reduce matches closed forms for every slot of every topology", "[mpi]") {
+  auto& c = comm();
+  const int n = c.size();
+  for (const auto& topo : topologies_for(n)) {
+    c.make_groups(topo->distinct_groups());
+    for (int s = 0; s < topo->period(); ++s) {
+      const auto& group = topo->group_of(c.rank(), s);
+      for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
+        for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+          for (int64_t numel : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{4099}}) {
+            INFO("rank " << c.rank() << " topology " << topo->name() << " lws "
+                         << topo->local_world_size() << " slot " << s << " group "
+                         << ranks_to_string(group.ranks) << " dtype " << dtype << " op "
+                         << to_string(op) << " numel " << numel);
+            auto t = make_input(c.rank(), numel, dtype);
+            c.allreduce(t, group.ranks, op)->wait();
+            CHECK(count_wrong_any(t, group.ranks, op) == 0);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("integer sums and a large odd-sized tensor", "[mpi]") {
+  auto& c = comm();
+  std::vector<int> all(c.size());
+  for (int r = 0; r < c.size(); ++r) all[r] = r;
+  for (auto dtype : {at::kInt, at::kLong}) {
+    auto t = make_input(c.rank(), 1001, dtype);
+    c.allreduce(t, all, ReduceOp::kSum)->wait();
+    CHECK(count_wrong_any(t, all, ReduceOp::kSum) == 0);
+  }
+  auto big = make_input(c.rank(), (int64_t{1} << 21) + 13, at::kFloat);
+  c.allreduce(big, all, ReduceOp::kAvg)->wait();
+  CHECK(count_wrong_any(big, all, ReduceOp::kAvg) == 0);
+}
+
+TEST_CASE("many outstanding works waited in a different order than launched", "[mpi]") {
+  auto& c = comm();
+  const int n = c.size();
+  auto ring = topology::make_topology(n % 2 == 0 || n == 1 ? "ring" : "complete", n, 1);
+  c.make_groups(ring->distinct_groups());
+  std::vector<at::Tensor> tensors;
+  std::vector<std::vector<int>> groups;
+  std::vector<std::shared_ptr<Work>> works;
+  for (int i = 0; i < 24; ++i) {
+    groups.push_back(ring->group_of(c.rank(), i).ranks);
+    tensors.push_back(make_input(c.rank(), 1000 + 37 * i, i % 2 ? at::kFloat : at::kBFloat16));
+    works.push_back(c.allreduce(tensors.back(), groups.back(), ReduceOp::kAvg));
+  }
+  // Reverse order, then the odd ones before the even ones.
+  for (int i = 23; i >= 0; i -= 2) works[i]->wait();
+  for (int i = 22; i >= 0; i -= 2) works[i]->wait();
+  for (int i = 0; i < 24; ++i) {
+    INFO("rank " << c.rank() << " work " << i << ": " << works[i]->description());
+    CHECK(works[i]->is_completed());
+    CHECK(count_wrong_any(tensors[i], groups[i], ReduceOp::kAvg) == 0);
+  }
+}
+
+TEST_CASE("communication progresses while the caller computes", "[mpi]") {
+  // Nobody calls into MPI or wait() here: only the progress thread can complete the work.
+  auto& c = comm();
+  std::vector<int> all(c.size());
+  for (int r = 0; r < c.size(); ++r) all[r] = r;
+  auto t = make_input(c.rank(), int64_t{4} << 20, at::kFloat);  // 16 MiB
+  auto work = c.allreduce(t, all, ReduceOp::kSum);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  volatile double sink = 0.0;
+  while (!work->is_completed() && std::chrono::steady_clock::now() < deadline) {
+    for (int i = 0; i < 100000; ++i) sink = sink + i * 0.5;  // "compute"
+  }
+  CHECK(work->is_completed());
+  work->wait();
+  CHECK(count_wrong_any(t, all, ReduceOp::kSum) == 0);
+}
+
+TEST_CASE("broadcast, allgather and barrier", "[mpi]") {
+  auto& c = comm();
+  const int n = c.size();
+  for (int root = 0; root < n; ++root) {
+    auto t = c.rank() == root ? at::arange(17, at::kFloat).add(root) : at::zeros({17}, at::kFloat);
+    c.broadcast(t, root)->wait();
+    const float* p = t.data_ptr<float>();
+    for (int i = 0; i < 17; ++i) {
+      CHECK(p[i] == static_cast<float>(i + root));
+    }
+  }
+  auto in = at::full({3}, static_cast<int64_t>(c.rank() * 10), at::kLong);
+  auto out = at::empty({3 * n}, at::kLong);
+  c.allgather(out, in)->wait();
+  for (int r = 0; r < n; ++r) {
+    for (int i = 0; i < 3; ++i) {
+      CHECK(out.data_ptr<int64_t>()[r * 3 + i] == r * 10);
+    }
+  }
+  c.barrier();
+}
+
+TEST_CASE("a rank that does not join makes the others time out with a clear error", "[mpi]") {
+  auto& c = comm();
+  const int n = c.size();
+  if (n < 2) {
+    return;
+  }
+  std::vector<int> all(n);
+  for (int r = 0; r < n; ++r) all[r] = r;
+  const auto timeout = std::chrono::milliseconds(1000);
+  auto t = make_input(c.rank(), 64, at::kFloat);
+  if (c.rank() == n - 1) {
+    // Joins only after every other rank has given up waiting.
+    std::this_thread::sleep_for(timeout * 3);
+    c.allreduce(t, all, ReduceOp::kSum)->wait();
+  } else {
+    auto work = c.allreduce(t, all, ReduceOp::kSum);
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_MATCHES(
+        work->wait(timeout), TimeoutError,
+        Catch::Matchers::Predicate<TimeoutError>([&](const TimeoutError& e) {
+          const std::string m = e.what();
+          return m.find("allreduce(sum, 64 x Float) on group " + ranks_to_string(all)) !=
+                     std::string::npos &&
+                 m.find("did not complete within the timeout of 1000 ms") != std::string::npos;
+        }));
+    const auto waited = std::chrono::steady_clock::now() - start;
+    CHECK(waited < timeout * 2);
+    // The late rank joins eventually and the collective completes.
+    work->wait();
+  }
+  CHECK(count_wrong_any(t, all, ReduceOp::kSum) == 0);
+}
+
+TEST_CASE("bad input gets one clear error", "[mpi]") {
+  auto& c = comm();
+  const int n = c.size();
+  std::vector<int> all(n);
+  for (int r = 0; r < n; ++r) all[r] = r;
+  auto strided = at::zeros({4, 6}, at::kFloat).t();
+  CHECK_THROWS_MATCHES(c.allreduce(strided, all, ReduceOp::kSum), InvalidArgument,
+                       Catch::Matchers::Predicate<InvalidArgument>([](const InvalidArgument& e) {
+                         return std::string(e.what()).find(
+                                    "allreduce: tensor must be contiguous; got sizes [6, 4] "
+                                    "strides [1, 6]") != std::string::npos;
+                       }));
+  auto meta = at::empty({4}, at::TensorOptions().dtype(at::kFloat).device(at::kMeta));
+  CHECK_THROWS_WITH(c.allreduce(meta, all, ReduceOp::kSum),
+                    Catch::Contains("the MPI backend takes CPU tensors; tensor is on meta"));
+  CHECK_THROWS_WITH(c.allreduce(at::zeros({4}, at::kBool), all, ReduceOp::kSum),
+                    Catch::Contains("float32, float64, bfloat16, float16, int32 or int64; got Bool"));
+  CHECK_THROWS_WITH(c.allreduce(at::zeros({4}, at::kInt), all, ReduceOp::kAvg),
+                    Catch::Contains("kAvg needs a floating-point tensor"));
+  CHECK_THROWS_WITH(c.allreduce(at::Tensor(), all, ReduceOp::kSum),
+                    Catch::Contains("tensor must be a defined tensor"));
+  CHECK_THROWS_WITH(c.broadcast(at::zeros({4}), n), Catch::Contains("root must be in [0, "));
+  CHECK_THROWS_WITH(c.allgather(at::zeros({3}), at::zeros({4})),
+                    Catch::Contains("output must hold world size * input.numel()"));
+  if (n >= 2) {
+    CHECK_THROWS_WITH(c.make_groups({{1, 0}}), Catch::Contains("ascending order"));
+  }
+  CHECK_THROWS_WITH(c.make_groups({{0, n}}), Catch::Contains("names rank " + std::to_string(n)));
+  if (n >= 3) {
+    // A group this rank belongs to but that was never created.
+    std::vector<int> pair = {c.rank(), (c.rank() + 2) % n};
+    std::sort(pair.begin(), pair.end());
+    if (!c.has_group(pair)) {
+      CHECK_THROWS_WITH(c.allreduce(at::zeros({2}), pair, ReduceOp::kSum),
+                        Catch::Contains("create it first with make_groups()"));
+    }
+    CHECK_THROWS_WITH(c.allreduce(at::zeros({2}), {(c.rank() + 1) % n}, ReduceOp::kSum),
+                      Catch::Contains("contain this rank"));
+  }
+}
+
+TEST_CASE("make_groups rejects lists that differ across ranks", "[mpi]") {
+  auto& c = comm();
+  const int n = c.size();
+  if (n < 2) {
+    return;
+  }
+  std::vector<std::vector<int>> groups = {{0, 1}};
+  if (c.rank() == 1) {
+    groups.push_back({0, 1});
+  }
+  CHECK_THROWS_WITH(c.make_groups(groups),
+                    Catch::Contains("passed a different list of groups than rank 0"));
+}

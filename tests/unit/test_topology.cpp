@@ -1,0 +1,306 @@
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "topology/topology.h"
+
+using namespace decent_dp;
+using namespace decent_dp::topology;
+
+namespace {
+
+using GroupList = std::vector<std::vector<int>>;
+
+GroupList groups_of(const Topology& t, int s) {
+  GroupList out;
+  for (const auto& g : t.slot(s)) {
+    out.push_back(g.ranks);
+  }
+  return out;
+}
+
+std::vector<int> range(int a, int b) {
+  std::vector<int> r;
+  for (int i = a; i <= b; ++i) {
+    r.push_back(i);
+  }
+  return r;
+}
+
+bool is_power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
+
+// Every (name, n, lws) a built-in accepts for n in 1..64.
+struct Config {
+  std::string name;
+  int n;
+  int lws;
+};
+
+std::vector<Config> valid_configs() {
+  std::vector<Config> out;
+  for (int n = 1; n <= 64; ++n) {
+    out.push_back({"complete", n, 1});
+    if (n % 2 == 0 || n == 1) out.push_back({"ring", n, 1});
+    if (is_power_of_two(n)) out.push_back({"one-peer-exp", n, 1});
+    for (int lws = 2; lws <= n; ++lws) {
+      if (n % lws == 0 && is_power_of_two(n / lws) && n / lws >= 2) {
+        out.push_back({"alternating-exp-ring", n, lws});
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("worked examples of spec section 5, n = 8", "[topology]") {
+  auto ring = make_topology("ring", 8, 1);
+  REQUIRE(ring->period() == 2);
+  CHECK(groups_of(*ring, 0) == GroupList{{0, 1}, {2, 3}, {4, 5}, {6, 7}});
+  CHECK(groups_of(*ring, 1) == GroupList{{0, 7}, {1, 2}, {3, 4}, {5, 6}});
+
+  auto exp = make_topology("one-peer-exp", 8, 1);
+  REQUIRE(exp->period() == 3);
+  CHECK(groups_of(*exp, 0) == GroupList{{0, 1}, {2, 3}, {4, 5}, {6, 7}});
+  CHECK(groups_of(*exp, 1) == GroupList{{0, 2}, {1, 3}, {4, 6}, {5, 7}});
+  CHECK(groups_of(*exp, 2) == GroupList{{0, 4}, {1, 5}, {2, 6}, {3, 7}});
+
+  auto aer4 = make_topology("aer", 8, 4);
+  REQUIRE(aer4->period() == 2);
+  CHECK(groups_of(*aer4, 0) == GroupList{{0, 1, 2, 3}, {4, 5, 6, 7}});
+  CHECK(groups_of(*aer4, 1) == GroupList{range(0, 7)});
+
+  auto aer2 = make_topology("alternating-exp-ring", 8, 2);
+  REQUIRE(aer2->period() == 4);
+  CHECK(groups_of(*aer2, 0) == GroupList{{0, 1}, {2, 3}, {4, 5, 6, 7}});
+  CHECK(groups_of(*aer2, 1) == GroupList{{0, 1, 2, 3}, {4, 5}, {6, 7}});
+  CHECK(groups_of(*aer2, 2) == GroupList{{0, 1}, {4, 5}, {2, 3, 6, 7}});
+  CHECK(groups_of(*aer2, 3) == GroupList{{0, 1, 4, 5}, {2, 3}, {6, 7}});
+
+  auto complete = make_topology("complete", 8, 1);
+  REQUIRE(complete->period() == 1);
+  CHECK(groups_of(*complete, 0) == GroupList{range(0, 7)});
+  CHECK(complete->slot(0)[0].self_weight == 1.0 / 8);
+}
+
+TEST_CASE("aliases resolve to the canonical topologies", "[topology]") {
+  CHECK(make_topology("exp", 4, 1)->name() == "one-peer-exp");
+  CHECK(make_topology("aer", 4, 2)->name() == "alternating-exp-ring");
+  CHECK(is_registered("exp"));
+  CHECK_FALSE(is_registered("nosuch"));
+}
+
+TEST_CASE("every slot of every built-in is a partition with weights 1/k, n = 1..64",
+          "[topology]") {
+  for (const auto& c : valid_configs()) {
+    INFO(c.name << " n=" << c.n << " lws=" << c.lws);
+    auto t = make_topology(c.name, c.n, c.lws);
+    REQUIRE(t->period() >= 1);
+    for (int s = 0; s < t->period(); ++s) {
+      std::vector<int> count(c.n, 0);
+      for (const auto& g : t->slot(s)) {
+        REQUIRE(g.size() >= 1);
+        CHECK(g.self_weight == 1.0 / g.size());
+        for (int r : g.ranks) {
+          REQUIRE(r >= 0);
+          REQUIRE(r < c.n);
+          ++count[r];
+        }
+      }
+      for (int r = 0; r < c.n; ++r) {
+        CHECK(count[r] == 1);
+      }
+      // group_of agrees with the slot and mixing matrices are doubly stochastic + symmetric.
+      const auto w = t->mixing_matrix(s);
+      for (int i = 0; i < c.n; ++i) {
+        CHECK(t->group_of(i, s).contains(i));
+        double row = 0.0;
+        for (int j = 0; j < c.n; ++j) {
+          row += w[i * c.n + j];
+          CHECK(w[i * c.n + j] == w[j * c.n + i]);
+        }
+        CHECK(row == Approx(1.0).epsilon(1e-12));
+      }
+    }
+    // group_of wraps with the period: the exchange after update u uses slot u mod P.
+    CHECK(t->group_of(0, t->period()).ranks == t->group_of(0, 0).ranks);
+    const double gap = t->spectral_gap();
+    CHECK(gap >= 0.0);
+    CHECK(gap <= 1.0);
+  }
+}
+
+TEST_CASE("the structure of each built-in for larger n", "[topology]") {
+  for (int n : {2, 4, 16, 32, 64}) {
+    auto exp = make_topology("exp", n, 1);
+    CHECK(exp->period() == static_cast<int>(std::log2(n)));
+    for (int s = 0; s < exp->period(); ++s) {
+      for (const auto& g : exp->slot(s)) {
+        REQUIRE(g.size() == 2);
+        CHECK(g.ranks[1] - g.ranks[0] == (1 << s));
+      }
+    }
+  }
+  for (int n : {2, 6, 10, 64}) {
+    auto ring = make_topology("ring", n, 1);
+    REQUIRE(ring->period() == 2);
+    for (int i = 0; i < n; i += 2) {
+      CHECK(ring->group_of(i, 0).ranks == std::vector<int>{i, i + 1});
+      const int left = (i - 1 + n) % n;
+      CHECK(ring->group_of(i, 1).ranks ==
+            std::vector<int>{std::min(i, left), std::max(i, left)});
+    }
+  }
+  // aer with m nodes: 2 * log2(m) slots, groups either one node or two whole nodes.
+  auto aer = make_topology("aer", 32, 4);
+  CHECK(aer->period() == 2 * 3);
+  for (int s = 0; s < aer->period(); ++s) {
+    for (const auto& g : aer->slot(s)) {
+      CHECK((g.size() == 4 || g.size() == 8));
+      CHECK(g.ranks[0] % 4 == 0);
+    }
+  }
+}
+
+TEST_CASE("one rank is local training for every topology", "[topology]") {
+  for (const std::string name : {"complete", "ring", "exp", "aer"}) {
+    auto t = make_topology(name, 1, 1);
+    REQUIRE(t->period() == 1);
+    CHECK(groups_of(*t, 0) == GroupList{{0}});
+    CHECK(t->spectral_gap() == 1.0);
+  }
+}
+
+TEST_CASE("constraint violations name the topology, the constraint and the numbers",
+          "[topology]") {
+  CHECK_THROWS_MATCHES(make_topology("ring", 5, 1), TopologyError,
+                       Catch::Message("ring topology needs an even world size, got 5"));
+  CHECK_THROWS_MATCHES(
+      make_topology("exp", 6, 1), TopologyError,
+      Catch::Message("one-peer-exp topology needs a world size that is a power of two, got 6"));
+  CHECK_THROWS_MATCHES(make_topology("aer", 8, 1), TopologyError,
+                       Catch::Message("alternating-exp-ring topology needs local_world_size > 1 "
+                                      "(ranks per node), got 1"));
+  CHECK_THROWS_WITH(make_topology("aer", 12, 5),
+                    Catch::Contains("world size 12 to be a multiple of local_world_size 5"));
+  CHECK_THROWS_WITH(make_topology("aer", 12, 4),
+                    Catch::Contains("power of two >= 2, got 3"));
+  CHECK_THROWS_WITH(make_topology("aer", 4, 4), Catch::Contains("power of two >= 2, got 1"));
+  CHECK_THROWS_MATCHES(make_topology("nosuch", 4, 1), InvalidArgument,
+                       Catch::Message("unknown topology 'nosuch'; expected one of: aer, "
+                                      "alternating-exp-ring, complete, exp, one-peer-exp, ring"));
+  CHECK_THROWS_WITH(make_topology("complete", 0, 1),
+                    Catch::Contains("world_size must be >= 1, got 0"));
+  CHECK_THROWS_WITH(make_topology("complete", 4, 5),
+                    Catch::Contains("local_world_size must be in [1, world_size = 4], got 5"));
+  auto ring = make_topology("ring", 4, 1);
+  CHECK_THROWS_WITH(ring->group_of(4, 0), Catch::Contains("rank must be in [0, 4), got 4"));
+  CHECK_THROWS_WITH(ring->slot(2), Catch::Contains("slot index must be in [0, 2), got 2"));
+  CHECK_THROWS_WITH(ring->group_of(0, -1), Catch::Contains("step must be >= 0, got -1"));
+}
+
+namespace {
+
+// A user topology by subclass: ranks pair with their mirror image, then everyone mixes.
+class MirrorTopology : public Topology {
+ public:
+  MirrorTopology(int n, int lws) : Topology("mirror", n, lws) {}
+
+ protected:
+  void check_world_size() const override {
+    if (world_size() % 2 != 0) {
+      throw TopologyError("mirror needs an even world size");
+    }
+  }
+  std::vector<Slot> make_slots() const override {
+    const int n = world_size();
+    Slot pairs;
+    for (int i = 0; i < n / 2; ++i) {
+      pairs.push_back(Group{{i, n - 1 - i}, 0.5});
+    }
+    Slot all{Group{range(0, n - 1), 1.0 / n}};
+    return {pairs, all};
+  }
+};
+
+}  // namespace
+
+TEST_CASE("user-registered topologies work by subclass and by function", "[topology]") {
+  register_topology("mirror", TopologyFactory([](int n, int lws) {
+                      return std::make_unique<MirrorTopology>(n, lws);
+                    }));
+  auto mirror = make_topology("mirror", 6, 1);
+  CHECK(groups_of(*mirror, 0) == GroupList{{0, 5}, {1, 4}, {2, 3}});
+  CHECK(mirror->group_of(4, 0).ranks == std::vector<int>{1, 4});
+  CHECK(mirror->group_of(4, 1).ranks == range(0, 5));
+  CHECK_THROWS_WITH(make_topology("mirror", 5, 1), "mirror needs an even world size");
+  CHECK(mirror->spectral_gap() == Approx(1.0));
+
+  // A function returning the slot list; weights other than 1/k are allowed.
+  register_topology("lazy3", SlotsFn([](int n, int) {
+                      std::vector<Slot> slots{Slot{Group{range(0, n - 1), 0.5}}};
+                      return slots;
+                    }));
+  auto lazy = make_topology("lazy3", 3, 1);
+  // W = 0.5 I + 0.25 (11^T - I): eigenvalues 1 and 0.25 (twice), so the gap is 0.75.
+  const auto w = lazy->mixing_matrix(0);
+  CHECK(w[0] == 0.5);
+  CHECK(w[1] == 0.25);
+  CHECK(lazy->spectral_gap() == Approx(0.75).epsilon(1e-9));
+
+  register_alias("lazy", "lazy3");
+  CHECK(make_topology("lazy", 3, 1)->period() == 1);
+  CHECK_THROWS_WITH(register_alias("x", "nosuch"), Catch::Contains("is not a registered"));
+
+  // A broken user topology is rejected with the reason.
+  register_topology("broken", SlotsFn([](int n, int) {
+                      return std::vector<Slot>{Slot{Group{{0}, 1.0}}};
+                    }));
+  CHECK_THROWS_MATCHES(make_topology("broken", 2, 1), TopologyError,
+                       Catch::Message("topology 'broken' (n = 2): slot 0 is not a partition: "
+                                      "rank 1 is in no group"));
+  register_topology("heavy", SlotsFn([](int n, int) {
+                      return std::vector<Slot>{Slot{Group{{0, 1}, 1.5}}};
+                    }));
+  CHECK_THROWS_WITH(make_topology("heavy", 2, 1),
+                    Catch::Contains("has self weight 1.5, expected a value in (0, 1]"));
+  register_topology("twice", SlotsFn([](int n, int) {
+                      return std::vector<Slot>{Slot{Group{{0, 1}, 0.5}, Group{{1}, 1.0}}};
+                    }));
+  CHECK_THROWS_WITH(make_topology("twice", 2, 1),
+                    Catch::Contains("rank 1 appears in more than one place"));
+}
+
+TEST_CASE("spectral gap", "[topology]") {
+  CHECK(make_topology("complete", 7, 1)->spectral_gap() == 1.0);
+  CHECK(make_topology("complete", 64, 1)->spectral_gap() == 1.0);
+  // One-peer exponential graphs reach exact consensus after one period.
+  CHECK(make_topology("exp", 16, 1)->spectral_gap() == Approx(1.0));
+  // ring n = 4: averaging pairs (0,1)(2,3) then (0,3)(1,2) gives the exact mean.
+  CHECK(make_topology("ring", 4, 1)->spectral_gap() == Approx(1.0));
+  // Larger rings mix slowly and more slowly as they grow.
+  const double g8 = make_topology("ring", 8, 1)->spectral_gap();
+  const double g32 = make_topology("ring", 32, 1)->spectral_gap();
+  CHECK(g8 > 0.0);
+  CHECK(g8 < 1.0);
+  CHECK(g32 < g8);
+  // Two disconnected halves never agree.
+  register_topology("halves", SlotsFn([](int n, int) {
+                      return std::vector<Slot>{
+                          Slot{Group{range(0, n / 2 - 1), 2.0 / n}, Group{range(n / 2, n - 1), 2.0 / n}}};
+                    }));
+  CHECK(make_topology("halves", 4, 1)->spectral_gap() == Approx(0.0).margin(1e-9));
+}
+
+TEST_CASE("distinct groups list every group once in first-appearance order", "[topology]") {
+  auto aer = make_topology("aer", 8, 2);
+  const auto groups = aer->distinct_groups();
+  std::set<std::vector<int>> unique(groups.begin(), groups.end());
+  CHECK(unique.size() == groups.size());
+  CHECK(groups.front() == std::vector<int>{0, 1});
+  auto ring2 = make_topology("ring", 2, 1);
+  CHECK(ring2->distinct_groups() == GroupList{{0, 1}});
+}

@@ -1,0 +1,41 @@
+// The one exception hierarchy of decent_dp. It lives in the lowest layer so that
+// topology/, decent_dp/ and optim/ all throw the same types.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace decent_dp {
+
+// Base of every exception the library throws.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+
+// Bad input from the caller: the message names the argument and the expected value.
+class InvalidArgument : public Error {
+ public:
+  explicit InvalidArgument(const std::string& what) : Error(what) {}
+};
+
+// A topology that cannot be built for the requested world size, or a slot list that
+// is not a partition with sane weights.
+class TopologyError : public InvalidArgument {
+ public:
+  explicit TopologyError(const std::string& what) : InvalidArgument(what) {}
+};
+
+// A failure reported by the communication backend (MPI, NCCL).
+class CommError : public Error {
+ public:
+  explicit CommError(const std::string& what) : Error(what) {}
+};
+
+// A collective that did not complete within its timeout.
+class TimeoutError : public CommError {
+ public:
+  explicit TimeoutError(const std::string& what) : CommError(what) {}
+};
+
+}  // namespace decent_dp
