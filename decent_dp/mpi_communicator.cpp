@@ -1,11 +1,5 @@
 #include "decent_dp/mpi_communicator.h"
 
-#define OMPI_SKIP_MPICXX 1
-#define MPICH_SKIP_MPICXX 1
-#include <mpi.h>
-
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
@@ -17,6 +11,7 @@
 #include <map>
 #include <thread>
 
+#include "decent_dp/detail/ring_allreduce.h"
 #include "decent_dp/env.h"
 #include "decent_dp/errors.h"
 #include "decent_dp/logging.h"
@@ -49,26 +44,6 @@ std::string mpi_error_string(int code) {
       throw_mpi_error(#call, decent_dp_rc_, __FILE__, __LINE__); \
     }                                                        \
   } while (0)
-
-// ---- MPI datatypes and sum operations for 16-bit floats (MPI has none) ----
-
-template <typename T>
-void sum_16bit(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
-  const T* a = static_cast<const T*>(in);
-  T* b = static_cast<T*>(inout);
-  for (int i = 0; i < *len; ++i) {
-    // Each partial sum is rounded to T: the reduction happens in the tensor's own dtype.
-    b[i] = static_cast<T>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
-  }
-}
-
-struct Mpi16BitTypes {
-  MPI_Datatype bf16 = MPI_DATATYPE_NULL;
-  MPI_Datatype f16 = MPI_DATATYPE_NULL;
-  MPI_Op bf16_sum = MPI_OP_NULL;
-  MPI_Op f16_sum = MPI_OP_NULL;
-};
-Mpi16BitTypes g_types;
 
 // ---- one-time MPI initialisation ----
 
@@ -115,14 +90,6 @@ void acquire_mpi() {
                         "; initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) "
                         "or let the communicator initialise it"));
   }
-  if (g_types.bf16 == MPI_DATATYPE_NULL) {
-    DECENT_DP_MPI_CHECK(MPI_Type_contiguous(2, MPI_BYTE, &g_types.bf16));
-    DECENT_DP_MPI_CHECK(MPI_Type_commit(&g_types.bf16));
-    DECENT_DP_MPI_CHECK(MPI_Type_contiguous(2, MPI_BYTE, &g_types.f16));
-    DECENT_DP_MPI_CHECK(MPI_Type_commit(&g_types.f16));
-    DECENT_DP_MPI_CHECK(MPI_Op_create(&sum_16bit<c10::BFloat16>, 1, &g_types.bf16_sum));
-    DECENT_DP_MPI_CHECK(MPI_Op_create(&sum_16bit<c10::Half>, 1, &g_types.f16_sum));
-  }
   int world_rank = 0;
   DECENT_DP_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
   g_world_rank.store(world_rank);
@@ -137,27 +104,17 @@ void release_mpi(bool abandoned) {
 
 // ---- tensors ----
 
-struct ReduceType {
-  MPI_Datatype type;
-  MPI_Op sum;
-};
-
 std::string dtype_name(const at::Tensor& t) { return std::string(c10::toString(t.scalar_type())); }
 
-ReduceType reduce_type(const at::Tensor& t, const char* op_name) {
+void check_reduce_dtype(const at::Tensor& t, const char* op_name) {
   switch (t.scalar_type()) {
     case at::kFloat:
-      return {MPI_FLOAT, MPI_SUM};
     case at::kDouble:
-      return {MPI_DOUBLE, MPI_SUM};
     case at::kBFloat16:
-      return {g_types.bf16, g_types.bf16_sum};
     case at::kHalf:
-      return {g_types.f16, g_types.f16_sum};
     case at::kInt:
-      return {MPI_INT32_T, MPI_SUM};
     case at::kLong:
-      return {MPI_INT64_T, MPI_SUM};
+      return;
     default:
       throw InvalidArgument(cat(op_name, ": the MPI backend reduces tensors of dtype float32, "
                                          "float64, bfloat16, float16, int32 or int64; got ",
@@ -175,24 +132,6 @@ void check_cpu_tensor(const at::Tensor& t, const char* op_name, const char* arg)
   DECENT_DP_CHECK_ARG(t.is_contiguous(), op_name, ": ", arg,
                       " must be contiguous; got sizes ", t.sizes(), " strides ", t.strides(),
                       " (call .contiguous() on it, or use a contiguous buffer)");
-}
-
-template <typename T>
-void divide(void* data, int64_t n, int64_t k) {
-  T* p = static_cast<T*>(data);
-  const float divisor = static_cast<float>(k);
-  for (int64_t i = 0; i < n; ++i) {
-    p[i] = static_cast<T>(static_cast<float>(p[i]) / divisor);
-  }
-}
-
-template <>
-void divide<double>(void* data, int64_t n, int64_t k) {
-  double* p = static_cast<double*>(data);
-  const double divisor = static_cast<double>(k);
-  for (int64_t i = 0; i < n; ++i) {
-    p[i] /= divisor;
-  }
 }
 
 constexpr int64_t kMaxChunk = INT_MAX;
@@ -230,12 +169,14 @@ struct MpiCommunicator::Impl {
   // One queued or running operation.
   struct Op {
     std::shared_ptr<Work> work;
-    // Issues the MPI calls (on the progress thread) and returns the requests to poll;
-    // blocking operations return none.
-    std::function<std::vector<MPI_Request>()> start;
+    // Called on the progress thread when the operation starts and again each time all the
+    // requests it returned have completed: issues the next MPI calls and returns their
+    // requests, or returns none when the operation is done.
+    std::function<std::vector<MPI_Request>()> next;
     // Runs on the progress thread once every request completed (e.g. the division of kAvg).
     std::function<void()> complete;
     size_t remaining = 0;
+    bool done = false;
   };
 
   MpiOptions options;
@@ -250,9 +191,20 @@ struct MpiCommunicator::Impl {
   int local_rank = -1;
   int local_size = 0;
 
+  // A communicator of one group. `sequence` numbers the ring all-reduces started on it
+  // (progress thread only) and gives each its own message tag.
+  struct GroupComm {
+    MPI_Comm comm = MPI_COMM_NULL;
+    int index = 0;  // this rank's position in the group
+    int size = 0;
+    uint32_t sequence = 0;
+  };
   // Sub-communicators by member list; written by the progress thread under groups_mutex.
+  // Entries are never erased while the communicator lives, so pointers stay valid.
   mutable std::mutex groups_mutex;
-  std::map<std::vector<int>, MPI_Comm> groups;
+  std::map<std::vector<int>, GroupComm> groups;
+  GroupComm world_group;
+  detail::ScratchPool scratch;  // progress thread only
 
   // Guarded by state->mutex.
   std::deque<std::unique_ptr<Op>> queue;
@@ -262,12 +214,33 @@ struct MpiCommunicator::Impl {
   std::thread thread;
 
   std::shared_ptr<Work> submit(std::shared_ptr<Work> work,
-                               std::function<std::vector<MPI_Request>()> start,
+                               std::function<std::vector<MPI_Request>()> next,
                                std::function<void()> complete = nullptr) {
     auto op = std::make_unique<Op>();
     op->work = work;
-    op->start = std::move(start);
+    op->next = std::move(next);
     op->complete = std::move(complete);
+    return enqueue(std::move(op));
+  }
+
+  // Submits an operation whose MPI calls are all issued at once by `start`.
+  std::shared_ptr<Work> submit_once(std::shared_ptr<Work> work,
+                                    std::function<std::vector<MPI_Request>()> start,
+                                    std::function<void()> complete = nullptr) {
+    return submit(
+        std::move(work),
+        [start = std::move(start), started = false]() mutable {
+          if (started) {
+            return std::vector<MPI_Request>{};
+          }
+          started = true;
+          return start();
+        },
+        std::move(complete));
+  }
+
+  std::shared_ptr<Work> enqueue(std::unique_ptr<Op> op) {
+    std::shared_ptr<Work> work = op->work;
     {
       std::lock_guard<std::mutex> lock(state->mutex);
       if (stop) {
@@ -309,6 +282,27 @@ struct MpiCommunicator::Impl {
       }
       op.work->finish(error);
     };
+    // Starts the operation's next step; finishes it when it has none or fails.
+    const auto advance = [&](Op& op) {
+      std::vector<MPI_Request> posted;
+      try {
+        posted = op.next();
+      } catch (...) {
+        op.done = true;
+        finish_op(op, std::current_exception());
+        return;
+      }
+      if (posted.empty()) {
+        op.done = true;
+        finish_op(op, nullptr);
+        return;
+      }
+      op.remaining = posted.size();
+      for (MPI_Request r : posted) {
+        requests.push_back(r);
+        owner.push_back(&op);
+      }
+    };
     std::chrono::steady_clock::time_point stop_deadline{};
     bool stopping = false;
     while (true) {
@@ -328,24 +322,13 @@ struct MpiCommunicator::Impl {
         }
       }
       for (auto& op : incoming) {
-        std::vector<MPI_Request> started;
-        try {
-          started = op->start();
-        } catch (...) {
-          finish_op(*op, std::current_exception());
-          continue;
-        }
-        if (started.empty()) {
-          finish_op(*op, nullptr);
-          continue;
-        }
-        op->remaining = started.size();
-        for (MPI_Request r : started) {
-          requests.push_back(r);
-          owner.push_back(op.get());
-        }
+        Op* raw = op.get();
         active.push_back(std::move(op));
+        advance(*raw);
       }
+      active.erase(std::remove_if(active.begin(), active.end(),
+                                  [](const std::unique_ptr<Op>& op) { return op->done; }),
+                   active.end());
       if (requests.empty()) {
         continue;
       }
@@ -357,7 +340,9 @@ struct MpiCommunicator::Impl {
         auto error = std::make_exception_ptr(
             CommError(cat("MPI_Testsome failed on rank ", rank, ": ", mpi_error_string(rc))));
         for (auto& op : active) {
-          finish_op(*op, error);
+          if (!op->done) {
+            finish_op(*op, error);
+          }
         }
         active.clear();
         requests.clear();
@@ -365,15 +350,17 @@ struct MpiCommunicator::Impl {
         continue;
       }
       if (count > 0 && count != MPI_UNDEFINED) {
+        std::vector<Op*> ready;
         for (int i = 0; i < count; ++i) {
           Op* op = owner[indices[i]];
           owner[indices[i]] = nullptr;
           if (--op->remaining == 0) {
-            finish_op(*op, nullptr);
+            ready.push_back(op);
           }
         }
         size_t kept = 0;
-        for (size_t i = 0; i < requests.size(); ++i) {
+        const size_t polled = requests.size();
+        for (size_t i = 0; i < polled; ++i) {
           if (owner[i] != nullptr) {
             requests[kept] = requests[i];
             owner[kept] = owner[i];
@@ -382,8 +369,11 @@ struct MpiCommunicator::Impl {
         }
         requests.resize(kept);
         owner.resize(kept);
+        for (Op* op : ready) {
+          advance(*op);
+        }
         active.erase(std::remove_if(active.begin(), active.end(),
-                                    [](const std::unique_ptr<Op>& op) { return op->remaining == 0; }),
+                                    [](const std::unique_ptr<Op>& op) { return op->done; }),
                      active.end());
         continue;
       }
@@ -394,7 +384,9 @@ struct MpiCommunicator::Impl {
         DECENT_DP_LOG_ERROR(cat("destroying the communicator with ", active.size(),
                                 " operation(s) in flight; MPI will not be finalized"));
         for (auto& op : active) {
-          finish_op(*op, error);
+          if (!op->done) {
+            finish_op(*op, error);
+          }
         }
         std::lock_guard<std::mutex> lock(state->mutex);
         abandoned = true;
@@ -411,7 +403,7 @@ struct MpiCommunicator::Impl {
     if (!abandoned) {
       std::lock_guard<std::mutex> lock(groups_mutex);
       for (auto& kv : groups) {
-        MPI_Comm_free(&kv.second);
+        MPI_Comm_free(&kv.second.comm);
       }
       groups.clear();
       if (world != MPI_COMM_NULL) {
@@ -420,13 +412,14 @@ struct MpiCommunicator::Impl {
     }
   }
 
-  MPI_Comm comm_for(const std::vector<int>& ranks) const {
+  // The communicator of group `ranks` (ascending, containing this rank), or null.
+  GroupComm* group_for(const std::vector<int>& ranks) {
     if (static_cast<int>(ranks.size()) == size) {
-      return world;
+      return &world_group;
     }
     std::lock_guard<std::mutex> lock(groups_mutex);
     auto it = groups.find(ranks);
-    return it == groups.end() ? MPI_COMM_NULL : it->second;
+    return it == groups.end() ? nullptr : &it->second;
   }
 };
 
@@ -446,6 +439,9 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
       DECENT_DP_MPI_CHECK(MPI_Comm_set_errhandler(d.world, MPI_ERRORS_RETURN));
       DECENT_DP_MPI_CHECK(MPI_Comm_rank(d.world, &d.rank));
       DECENT_DP_MPI_CHECK(MPI_Comm_size(d.world, &d.size));
+      d.world_group.comm = d.world;
+      d.world_group.index = d.rank;
+      d.world_group.size = d.size;
       MPI_Comm local = MPI_COMM_NULL;
       DECENT_DP_MPI_CHECK(
           MPI_Comm_split_type(d.world, MPI_COMM_TYPE_SHARED, d.rank, MPI_INFO_NULL, &local));
@@ -489,11 +485,11 @@ int MpiCommunicator::local_size() const { return impl_->local_size; }
 std::chrono::milliseconds MpiCommunicator::timeout() const { return impl_->timeout; }
 
 bool MpiCommunicator::has_group(const std::vector<int>& ranks) const {
-  const Impl& d = *impl_;
+  Impl& d = *impl_;
   if (ranks.size() == 1 && ranks[0] == d.rank) {
     return true;
   }
-  return d.comm_for(ranks) != MPI_COMM_NULL;
+  return d.group_for(ranks) != nullptr;
 }
 
 void MpiCommunicator::make_groups(const std::vector<std::vector<int>>& groups) {
@@ -553,8 +549,12 @@ void MpiCommunicator::make_groups(const std::vector<std::vector<int>>& groups) {
       DECENT_DP_MPI_CHECK(MPI_Comm_create_group(d.world, sub, tag, &comm));
       MPI_Group_free(&sub);
       DECENT_DP_MPI_CHECK(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+      Impl::GroupComm entry;
+      entry.comm = comm;
+      entry.size = static_cast<int>(g.size());
+      entry.index = static_cast<int>(std::lower_bound(g.begin(), g.end(), d.rank) - g.begin());
       std::lock_guard<std::mutex> lock(d.groups_mutex);
-      d.groups[g] = comm;
+      d.groups[g] = entry;
     }
     MPI_Group_free(&world_group);
   });
@@ -564,7 +564,7 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor,
                                                  const std::vector<int>& ranks, ReduceOp op) {
   Impl& d = *impl_;
   check_cpu_tensor(tensor, "allreduce", "tensor");
-  const ReduceType rt = reduce_type(tensor, "allreduce");
+  check_reduce_dtype(tensor, "allreduce");
   DECENT_DP_CHECK_ARG(!(op == ReduceOp::kAvg && !tensor.is_floating_point()),
                       "allreduce: ReduceOp::kAvg needs a floating-point tensor, got ",
                       dtype_name(tensor), " (use kSum for integers)");
@@ -577,8 +577,8 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor,
                       " must be distinct ranks in [0, ", d.size - 1,
                       "] in ascending order that contain this rank (", d.rank, ")");
   const int64_t k = static_cast<int64_t>(ranks.size());
-  const MPI_Comm comm = k == 1 ? MPI_COMM_NULL : d.comm_for(ranks);
-  DECENT_DP_CHECK_ARG(k == 1 || comm != MPI_COMM_NULL, "allreduce: no communicator for group ",
+  Impl::GroupComm* group = k == 1 ? nullptr : d.group_for(ranks);
+  DECENT_DP_CHECK_ARG(k == 1 || group != nullptr, "allreduce: no communicator for group ",
                       ranks_to_string(ranks), " on rank ", d.rank,
                       "; create it first with make_groups() on every rank");
   auto work = d.make_work(cat("allreduce(", to_string(op), ", ", tensor.numel(), " x ",
@@ -590,45 +590,29 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor,
     return work;
   }
   const int64_t numel = tensor.numel();
-  const int64_t element_size = static_cast<int64_t>(tensor.element_size());
+  const at::ScalarType dtype = tensor.scalar_type();
   char* data = static_cast<char*>(tensor.data_ptr());
   std::function<void()> complete;
   if (op == ReduceOp::kAvg) {
-    const at::ScalarType dtype = tensor.scalar_type();
-    complete = [data, numel, k, dtype] {
-      switch (dtype) {
-        case at::kFloat:
-          divide<float>(data, numel, k);
-          break;
-        case at::kDouble:
-          divide<double>(data, numel, k);
-          break;
-        case at::kBFloat16:
-          divide<c10::BFloat16>(data, numel, k);
-          break;
-        case at::kHalf:
-          divide<c10::Half>(data, numel, k);
-          break;
-        default:
-          break;
-      }
-    };
+    complete = [data, numel, k, dtype] { detail::divide_by(data, numel, k, dtype); };
   }
+  // Note [ring all-reduce over point-to-point]: the ring is created when the operation
+  // starts on the progress thread, which also assigns its tag in submission order.
+  auto ring = std::make_shared<std::unique_ptr<detail::RingAllreduce>>();
+  Impl* impl = &d;
   return d.submit(
       work,
-      [data, numel, element_size, rt, comm] {
-        std::vector<MPI_Request> requests;
-        int64_t offset = 0;
-        do {
-          const int64_t count = std::min(kMaxChunk, numel - offset);
-          MPI_Request request = MPI_REQUEST_NULL;
-          DECENT_DP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data + offset * element_size,
-                                             static_cast<int>(count), rt.type, rt.sum, comm,
-                                             &request));
-          requests.push_back(request);
-          offset += count;
-        } while (offset < numel);
-        return requests;
+      [ring, impl, group, data, numel, dtype] {
+        if (!*ring) {
+          const int tag = static_cast<int>(group->sequence++ % 32768u);
+          *ring = std::make_unique<detail::RingAllreduce>(
+              data, numel, dtype, group->comm, group->index, group->size, tag, impl->scratch);
+        }
+        std::vector<MPI_Request> next = (*ring)->next();
+        if (next.empty()) {
+          ring->reset();  // returns the scratch buffer to the pool
+        }
+        return next;
       },
       std::move(complete));
 }
@@ -644,7 +628,7 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int r
   char* data = static_cast<char*>(tensor.data_ptr());
   const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
   MPI_Comm comm = d.world;
-  return d.submit(work, [data, bytes, root, comm] {
+  return d.submit_once(work, [data, bytes, root, comm] {
     std::vector<MPI_Request> requests;
     int64_t offset = 0;
     do {
@@ -679,7 +663,7 @@ std::shared_ptr<Work> MpiCommunicator::allgather(const at::Tensor& output, const
   const char* in = static_cast<const char*>(input.data_ptr());
   char* out = static_cast<char*>(output.data_ptr());
   MPI_Comm comm = d.world;
-  return d.submit(work, [in, out, bytes, comm] {
+  return d.submit_once(work, [in, out, bytes, comm] {
     MPI_Request request = MPI_REQUEST_NULL;
     DECENT_DP_MPI_CHECK(MPI_Iallgather(in, static_cast<int>(bytes), MPI_BYTE, out,
                                        static_cast<int>(bytes), MPI_BYTE, comm, &request));
@@ -691,7 +675,7 @@ void MpiCommunicator::barrier() {
   Impl& d = *impl_;
   auto work = d.make_work(cat("barrier over all ", d.size, " ranks (rank ", d.rank, ")"), {});
   MPI_Comm comm = d.world;
-  d.submit(work, [comm] {
+  d.submit_once(work, [comm] {
     MPI_Request request = MPI_REQUEST_NULL;
     DECENT_DP_MPI_CHECK(MPI_Ibarrier(comm, &request));
     return std::vector<MPI_Request>{request};

@@ -294,3 +294,25 @@ TEST_CASE("make_groups rejects lists that differ across ranks", "[mpi]") {
   CHECK_THROWS_WITH(c.make_groups(groups),
                     Catch::Contains("passed a different list of groups than rank 0"));
 }
+
+TEST_CASE("every member of a group ends with bit-identical results", "[mpi]") {
+  // Inexact inputs: the sum depends on the order of additions, so this fails if members
+  // reduce in different orders.
+  auto& c = comm();
+  const int n = c.size();
+  auto topo = topology::make_topology("complete", n, 1);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    auto t = at::arange(10007, at::kDouble).mul(0.001 * (c.rank() + 1)).sin().to(dtype);
+    std::vector<int> all(n);
+    for (int r = 0; r < n; ++r) all[r] = r;
+    c.allreduce(t, all, ReduceOp::kAvg)->wait();
+    auto bytes = t.view(at::kByte);
+    auto gathered = at::empty({bytes.numel() * n}, at::kByte);
+    c.allgather(gathered, bytes)->wait();
+    for (int r = 1; r < n; ++r) {
+      INFO("rank " << r << " vs rank 0, dtype " << dtype);
+      CHECK(gathered.narrow(0, r * bytes.numel(), bytes.numel())
+                .equal(gathered.narrow(0, 0, bytes.numel())));
+    }
+  }
+}

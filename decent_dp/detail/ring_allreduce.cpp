@@ -1,0 +1,213 @@
+#include "decent_dp/detail/ring_allreduce.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <climits>
+
+#include "decent_dp/errors.h"
+
+namespace decent_dp {
+namespace detail {
+namespace {
+
+template <typename T>
+void add_typed(void* dst, const void* src, int64_t n) {
+  T* __restrict d = static_cast<T*>(dst);
+  const T* __restrict s = static_cast<const T*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    d[i] += s[i];
+  }
+}
+
+template <typename T>
+void add_16bit(void* dst, const void* src, int64_t n) {
+  T* d = static_cast<T*>(dst);
+  const T* s = static_cast<const T*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    d[i] = static_cast<T>(static_cast<float>(d[i]) + static_cast<float>(s[i]));
+  }
+}
+
+template <typename T>
+void divide_typed(void* data, int64_t n, int64_t k) {
+  T* p = static_cast<T*>(data);
+  using Math = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
+  const Math divisor = static_cast<Math>(k);
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = static_cast<T>(static_cast<Math>(p[i]) / divisor);
+  }
+}
+
+void check(int rc, const char* call) {
+  if (rc != MPI_SUCCESS) {
+    char buffer[MPI_MAX_ERROR_STRING];
+    int length = 0;
+    MPI_Error_string(rc, buffer, &length);
+    int rank = -1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    throw CommError(cat(call, " failed on rank ", rank, " in the ring all-reduce: ",
+                        std::string(buffer, static_cast<size_t>(length))));
+  }
+}
+
+}  // namespace
+
+ScratchPool::Buffer ScratchPool::acquire(size_t bytes) {
+  auto best = free_.end();
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    if (it->bytes >= bytes && (best == free_.end() || it->bytes < best->bytes)) {
+      best = it;
+    }
+  }
+  if (best != free_.end()) {
+    Buffer b = std::move(*best);
+    free_.erase(best);
+    return b;
+  }
+  Buffer b;
+  b.bytes = std::max<size_t>(bytes, 1);
+  b.data.reset(new char[b.bytes]);
+  return b;
+}
+
+void ScratchPool::release(Buffer buffer) {
+  if (!buffer.data) {
+    return;
+  }
+  constexpr size_t kMaxFree = 16;
+  if (free_.size() >= kMaxFree) {
+    // Drop the smallest so the pool keeps the sizes that are in use.
+    auto smallest = std::min_element(free_.begin(), free_.end(), [](const Buffer& a, const Buffer& b) {
+      return a.bytes < b.bytes;
+    });
+    if (smallest->bytes >= buffer.bytes) {
+      return;
+    }
+    free_.erase(smallest);
+  }
+  free_.push_back(std::move(buffer));
+}
+
+void add_into(void* dst, const void* src, int64_t n, c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::kFloat:
+      return add_typed<float>(dst, src, n);
+    case c10::kDouble:
+      return add_typed<double>(dst, src, n);
+    case c10::kInt:
+      return add_typed<int32_t>(dst, src, n);
+    case c10::kLong:
+      return add_typed<int64_t>(dst, src, n);
+    case c10::kBFloat16:
+      return add_16bit<c10::BFloat16>(dst, src, n);
+    case c10::kHalf:
+      return add_16bit<c10::Half>(dst, src, n);
+    default:
+      throw InvalidArgument(cat("add_into: unsupported dtype ", c10::toString(dtype)));
+  }
+}
+
+void divide_by(void* p, int64_t n, int64_t k, c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::kFloat:
+      return divide_typed<float>(p, n, k);
+    case c10::kDouble:
+      return divide_typed<double>(p, n, k);
+    case c10::kBFloat16:
+      return divide_typed<c10::BFloat16>(p, n, k);
+    case c10::kHalf:
+      return divide_typed<c10::Half>(p, n, k);
+    default:
+      throw InvalidArgument(cat("divide_by: unsupported dtype ", c10::toString(dtype)));
+  }
+}
+
+RingAllreduce::RingAllreduce(char* data, int64_t numel, c10::ScalarType dtype, MPI_Comm comm,
+                             int index, int size, int tag, ScratchPool& pool)
+    : data_(data),
+      element_size_(static_cast<int64_t>(c10::elementSize(dtype))),
+      dtype_(dtype),
+      comm_(comm),
+      index_(index),
+      size_(size),
+      tag_(tag),
+      pool_(pool) {
+  offsets_.resize(size_ + 1);
+  const int64_t base = numel / size_;
+  const int64_t extra = numel % size_;
+  offsets_[0] = 0;
+  for (int c = 0; c < size_; ++c) {
+    offsets_[c + 1] = offsets_[c] + base + (c < extra ? 1 : 0);
+  }
+  // Two ranks exchange whole buffers in one step: the same bytes as the ring, half the
+  // round trips, and a + b == b + a keeps both results bit-identical.
+  pairwise_ = size_ == 2;
+  const int64_t max_chunk = pairwise_ ? numel : base + (extra > 0 ? 1 : 0);
+  if (max_chunk * element_size_ > INT_MAX) {
+    throw InvalidArgument(cat("allreduce: a chunk of ", max_chunk * element_size_,
+                              " bytes exceeds what one MPI message can carry (", INT_MAX,
+                              "); reduce the tensor size or use a larger group"));
+  }
+  scratch_ = pool_.acquire(static_cast<size_t>(max_chunk * element_size_));
+}
+
+RingAllreduce::~RingAllreduce() { pool_.release(std::move(scratch_)); }
+
+std::vector<MPI_Request> RingAllreduce::next() {
+  const int k = size_;
+  if (pairwise_) {
+    if (step_ == 1) {
+      add_into(data_, scratch_.data.get(), offsets_[k], dtype_);
+    }
+    if (step_ >= 1) {
+      return {};
+    }
+    ++step_;
+    const int peer = 1 - index_;
+    const int bytes = static_cast<int>(offsets_[k] * element_size_);
+    MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    check(MPI_Irecv(scratch_.data.get(), bytes, MPI_BYTE, peer, tag_, comm_, &requests[0]),
+          "MPI_Irecv");
+    check(MPI_Isend(data_, bytes, MPI_BYTE, peer, tag_, comm_, &requests[1]), "MPI_Isend");
+    return {requests[0], requests[1]};
+  }
+  if (pending_chunk_ >= 0) {
+    add_into(data_ + chunk_begin(pending_chunk_) * element_size_, scratch_.data.get(),
+             chunk_size(pending_chunk_), dtype_);
+    pending_chunk_ = -1;
+  }
+  if (step_ >= 2 * (k - 1)) {
+    return {};
+  }
+  const int right = (index_ + 1) % k;
+  const int left = (index_ - 1 + k) % k;
+  int send_chunk, recv_chunk;
+  char* recv_into;
+  if (step_ < k - 1) {  // reduce-scatter
+    const int s = step_;
+    send_chunk = ((index_ - s) % k + k) % k;
+    recv_chunk = ((index_ - s - 1) % k + k) % k;
+    recv_into = scratch_.data.get();
+    pending_chunk_ = recv_chunk;
+  } else {  // all-gather of the reduced chunks
+    const int s = step_ - (k - 1);
+    send_chunk = ((index_ + 1 - s) % k + k) % k;
+    recv_chunk = ((index_ - s) % k + k) % k;
+    recv_into = data_ + chunk_begin(recv_chunk) * element_size_;
+  }
+  ++step_;
+  MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  check(MPI_Irecv(recv_into, static_cast<int>(chunk_size(recv_chunk) * element_size_), MPI_BYTE,
+                  left, tag_, comm_, &requests[0]),
+        "MPI_Irecv");
+  check(MPI_Isend(data_ + chunk_begin(send_chunk) * element_size_,
+                  static_cast<int>(chunk_size(send_chunk) * element_size_), MPI_BYTE, right, tag_,
+                  comm_, &requests[1]),
+        "MPI_Isend");
+  return {requests[0], requests[1]};
+}
+
+}  // namespace detail
+}  // namespace decent_dp
