@@ -41,7 +41,8 @@ int64_t parse_size(const std::string& text) {
 }
 
 struct Result {
-  double time_us = 0;
+  double time_us = 0;  // median
+  double mean_us = 0;
   double algbw = 0;
   double busbw = 0;
   int64_t wrong = 0;
@@ -62,11 +63,26 @@ int64_t count_wrong(const float* p, int64_t n, const std::vector<int>& ranks) {
   return wrong;
 }
 
-// Slowest rank's mean time per iteration, in microseconds.
-double max_over_ranks(double us) {
-  double out = 0;
-  MPI_Allreduce(&us, &out, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  return out;
+// Per iteration, the slowest rank's time (in place).
+void slowest_per_iteration(std::vector<double>& us) {
+  MPI_Allreduce(MPI_IN_PLACE, us.data(), static_cast<int>(us.size()), MPI_DOUBLE, MPI_MAX,
+                MPI_COMM_WORLD);
+}
+
+// Median over iterations of the slowest rank's time: robust to the load spikes of a shared
+// machine. The mean is reported in the JSON output as well.
+double median_of_slowest(std::vector<double>& us) {
+  slowest_per_iteration(us);
+  std::vector<double> sorted = us;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  return n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+}
+
+double mean_of_slowest(const std::vector<double>& slowest) {
+  double sum = 0;
+  for (double v : slowest) sum += v;
+  return sum / static_cast<double>(slowest.size());
 }
 
 int64_t sum_over_ranks(int64_t v) {
@@ -103,8 +119,9 @@ int main(int argc, char** argv) {
   const int rank = comm.rank(), n = comm.size();
   nlohmann::json results = nlohmann::json::array();
   if (rank == 0) {
-    fmt::print("# gossip_bench: {} ranks, {} iterations after {} warm-up, float32, sum\n", n,
-               iters, warmup);
+    fmt::print("# gossip_bench: {} ranks, {} iterations after {} warm-up, float32, sum; time = "
+               "median over iterations of the slowest rank\n",
+               n, iters, warmup);
     fmt::print("# library = decent_dp MpiCommunicator::allreduce (async + wait); mpi = "
                "MPI_Allreduce on the same group\n");
   }
@@ -143,15 +160,33 @@ int main(int argc, char** argv) {
         const int64_t bytes = count * 4;
         at::Tensor view = buffer.narrow(0, 0, count);
         const double bus_factor = k_max > 1 ? 2.0 * (k_max - 1) / k_max : 0.0;
-        auto measure = [&](auto&& once) {
-          Result r;
-          for (int i = 0; i < warmup; ++i) once();
+        auto lib_once = [&] {
+          comm.allreduce(view, group.ranks, decent_dp::ReduceOp::kSum)->wait();
+        };
+        auto mpi_once = [&] {
+          MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw);
+        };
+        for (int i = 0; i < warmup; ++i) {
+          lib_once();
+          mpi_once();
+        }
+        // The two are timed in alternating iterations, so drift in the machine's load hits
+        // both alike; each iteration starts together on every rank.
+        std::vector<double> lib_us(iters), mpi_us(iters);
+        for (int i = 0; i < iters; ++i) {
           MPI_Barrier(MPI_COMM_WORLD);
-          const auto t0 = Clock::now();
-          for (int i = 0; i < iters; ++i) once();
-          const double us =
-              std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / iters;
-          r.time_us = max_over_ranks(us);
+          auto t0 = Clock::now();
+          lib_once();
+          lib_us[i] = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+          MPI_Barrier(MPI_COMM_WORLD);
+          t0 = Clock::now();
+          mpi_once();
+          mpi_us[i] = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+        }
+        auto finish = [&](std::vector<double>& times, auto&& once) {
+          Result r;
+          r.time_us = median_of_slowest(times);
+          r.mean_us = mean_of_slowest(times);
           r.algbw = bytes / r.time_us / 1e3;  // GB/s
           r.busbw = r.algbw * bus_factor;
           fill(data, count, rank);
@@ -159,12 +194,8 @@ int main(int argc, char** argv) {
           r.wrong = sum_over_ranks(count_wrong(data, count, group.ranks));
           return r;
         };
-        const Result lib = measure([&] {
-          comm.allreduce(view, group.ranks, decent_dp::ReduceOp::kSum)->wait();
-        });
-        const Result mpi = measure([&] {
-          MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw);
-        });
+        const Result lib = finish(lib_us, lib_once);
+        const Result mpi = finish(mpi_us, mpi_once);
         const double ratio = mpi.time_us > 0 ? mpi.time_us / lib.time_us : 0.0;
         if (rank == 0) {
           fmt::print("{:>12} {:>11} {:>6} | {:>10.1f} {:>8.3f} {:>8.3f} {:>6} | {:>10.1f} "
@@ -178,9 +209,9 @@ int main(int argc, char** argv) {
                              {"bytes", bytes},
                              {"count", count},
                              {"type", "float"},
-                             {"library", {{"time_us", lib.time_us}, {"algbw_GBps", lib.algbw},
+                             {"library", {{"time_us", lib.time_us}, {"mean_us", lib.mean_us}, {"algbw_GBps", lib.algbw},
                                           {"busbw_GBps", lib.busbw}, {"wrong", lib.wrong}}},
-                             {"mpi", {{"time_us", mpi.time_us}, {"algbw_GBps", mpi.algbw},
+                             {"mpi", {{"time_us", mpi.time_us}, {"mean_us", mpi.mean_us}, {"algbw_GBps", mpi.algbw},
                                       {"busbw_GBps", mpi.busbw}, {"wrong", mpi.wrong}}},
                              {"bandwidth_ratio", ratio}});
         }

@@ -6,11 +6,11 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
-#include <deque>
 #include <functional>
 #include <map>
 #include <thread>
 
+#include "decent_dp/detail/progress_engine.h"
 #include "decent_dp/detail/ring_allreduce.h"
 #include "decent_dp/env.h"
 #include "decent_dp/errors.h"
@@ -140,49 +140,40 @@ constexpr int64_t kMaxChunk = INT_MAX;
 
 // ---------------------------------------------------------------------------------------
 
-// Shared between the communicator, its progress thread and the Work handles (which may
-// outlive the communicator).
-struct ProgressState {
-  std::mutex mutex;
-  std::condition_variable cv;
-  std::atomic<int> waiters{0};
-};
-
 class MpiWork final : public Work {
  public:
   MpiWork(std::string description, std::vector<at::Tensor> tensors,
-          std::chrono::milliseconds timeout, std::shared_ptr<ProgressState> state)
-      : Work(std::move(description), std::move(tensors), timeout), state_(std::move(state)) {}
+          std::chrono::milliseconds timeout, std::shared_ptr<detail::ProgressEngine> engine)
+      : Work(std::move(description), std::move(tensors), timeout), engine_(std::move(engine)) {}
 
  protected:
-  void on_wait_begin() override {
-    state_->waiters.fetch_add(1);
-    state_->cv.notify_all();
+  // Note [MPI progress engine]: a waiting caller advances the operations itself.
+  bool drive_progress() override {
+    switch (engine_->try_progress()) {
+      case detail::ProgressEngine::PollResult::kPolled:
+        return true;
+      case detail::ProgressEngine::PollResult::kBusy:
+        std::this_thread::yield();  // the holder is polling; try again soon
+        return true;
+      case detail::ProgressEngine::PollResult::kStopped:
+        break;
+    }
+    return false;
   }
-  void on_wait_end() override { state_->waiters.fetch_sub(1); }
+  void on_wait_begin() override { engine_->add_driver(); }
+  void on_wait_end() override { engine_->remove_driver(); }
 
  private:
-  std::shared_ptr<ProgressState> state_;
+  std::shared_ptr<detail::ProgressEngine> engine_;
 };
 
 struct MpiCommunicator::Impl {
-  // One queued or running operation.
-  struct Op {
-    std::shared_ptr<Work> work;
-    // Called on the progress thread when the operation starts and again each time all the
-    // requests it returned have completed: issues the next MPI calls and returns their
-    // requests, or returns none when the operation is done.
-    std::function<std::vector<MPI_Request>()> next;
-    // Runs on the progress thread once every request completed (e.g. the division of kAvg).
-    std::function<void()> complete;
-    size_t remaining = 0;
-    bool done = false;
-  };
+  using Op = detail::ProgressEngine::Op;
 
   MpiOptions options;
   std::chrono::milliseconds timeout{0};
   std::chrono::microseconds interval{0};
-  std::shared_ptr<ProgressState> state = std::make_shared<ProgressState>();
+  std::shared_ptr<detail::ProgressEngine> engine;
 
   // Written once by the init task, read-only afterwards.
   MPI_Comm world = MPI_COMM_NULL;
@@ -192,26 +183,18 @@ struct MpiCommunicator::Impl {
   int local_size = 0;
 
   // A communicator of one group. `sequence` numbers the ring all-reduces started on it
-  // (progress thread only) and gives each its own message tag.
+  // (by the engine's token holder only) and gives each its own message tag.
   struct GroupComm {
     MPI_Comm comm = MPI_COMM_NULL;
     int index = 0;  // this rank's position in the group
     int size = 0;
     uint32_t sequence = 0;
   };
-  // Sub-communicators by member list; written by the progress thread under groups_mutex.
-  // Entries are never erased while the communicator lives, so pointers stay valid.
+  // Sub-communicators by member list, written under groups_mutex by make_groups. Entries
+  // are never erased while the communicator lives, so pointers to them stay valid.
   mutable std::mutex groups_mutex;
   std::map<std::vector<int>, GroupComm> groups;
   GroupComm world_group;
-  detail::ScratchPool scratch;  // progress thread only
-
-  // Guarded by state->mutex.
-  std::deque<std::unique_ptr<Op>> queue;
-  bool stop = false;
-  bool abandoned = false;
-
-  std::thread thread;
 
   std::shared_ptr<Work> submit(std::shared_ptr<Work> work,
                                std::function<std::vector<MPI_Request>()> next,
@@ -220,7 +203,8 @@ struct MpiCommunicator::Impl {
     op->work = work;
     op->next = std::move(next);
     op->complete = std::move(complete);
-    return enqueue(std::move(op));
+    engine->enqueue(std::move(op));
+    return work;
   }
 
   // Submits an operation whose MPI calls are all issued at once by `start`.
@@ -239,25 +223,12 @@ struct MpiCommunicator::Impl {
         std::move(complete));
   }
 
-  std::shared_ptr<Work> enqueue(std::unique_ptr<Op> op) {
-    std::shared_ptr<Work> work = op->work;
-    {
-      std::lock_guard<std::mutex> lock(state->mutex);
-      if (stop) {
-        throw CommError("MpiCommunicator: operation submitted while the communicator is "
-                        "being destroyed");
-      }
-      queue.push_back(std::move(op));
-    }
-    state->cv.notify_all();
-    return work;
-  }
-
   std::shared_ptr<Work> make_work(std::string description, std::vector<at::Tensor> tensors) {
-    return std::make_shared<MpiWork>(std::move(description), std::move(tensors), timeout, state);
+    return std::make_shared<MpiWork>(std::move(description), std::move(tensors), timeout,
+                                     engine);
   }
 
-  // Runs a blocking task on the progress thread and waits for it.
+  // Runs a blocking task in the engine, after every operation submitted before it started.
   void run_blocking(const std::string& description, std::function<void()> task) {
     auto work = make_work(description, {});
     submit(work, [task = std::move(task)] {
@@ -265,151 +236,6 @@ struct MpiCommunicator::Impl {
       return std::vector<MPI_Request>{};
     });
     work->wait();
-  }
-
-  void progress_loop() {
-    std::vector<std::unique_ptr<Op>> active;
-    std::vector<MPI_Request> requests;
-    std::vector<Op*> owner;
-    std::vector<int> indices;
-    const auto finish_op = [](Op& op, std::exception_ptr error) {
-      if (!error && op.complete) {
-        try {
-          op.complete();
-        } catch (...) {
-          error = std::current_exception();
-        }
-      }
-      op.work->finish(error);
-    };
-    // Starts the operation's next step; finishes it when it has none or fails.
-    const auto advance = [&](Op& op) {
-      std::vector<MPI_Request> posted;
-      try {
-        posted = op.next();
-      } catch (...) {
-        op.done = true;
-        finish_op(op, std::current_exception());
-        return;
-      }
-      if (posted.empty()) {
-        op.done = true;
-        finish_op(op, nullptr);
-        return;
-      }
-      op.remaining = posted.size();
-      for (MPI_Request r : posted) {
-        requests.push_back(r);
-        owner.push_back(&op);
-      }
-    };
-    std::chrono::steady_clock::time_point stop_deadline{};
-    bool stopping = false;
-    while (true) {
-      std::deque<std::unique_ptr<Op>> incoming;
-      {
-        std::unique_lock<std::mutex> lock(state->mutex);
-        if (active.empty() && queue.empty() && !stop) {
-          state->cv.wait(lock, [this] { return stop || !queue.empty(); });
-        }
-        if (stop && !stopping) {
-          stopping = true;
-          stop_deadline = std::chrono::steady_clock::now() + timeout;
-        }
-        incoming.swap(queue);
-        if (stopping && incoming.empty() && active.empty()) {
-          break;
-        }
-      }
-      for (auto& op : incoming) {
-        Op* raw = op.get();
-        active.push_back(std::move(op));
-        advance(*raw);
-      }
-      active.erase(std::remove_if(active.begin(), active.end(),
-                                  [](const std::unique_ptr<Op>& op) { return op->done; }),
-                   active.end());
-      if (requests.empty()) {
-        continue;
-      }
-      indices.resize(requests.size());
-      int count = 0;
-      const int rc = MPI_Testsome(static_cast<int>(requests.size()), requests.data(), &count,
-                                  indices.data(), MPI_STATUSES_IGNORE);
-      if (rc != MPI_SUCCESS) {
-        auto error = std::make_exception_ptr(
-            CommError(cat("MPI_Testsome failed on rank ", rank, ": ", mpi_error_string(rc))));
-        for (auto& op : active) {
-          if (!op->done) {
-            finish_op(*op, error);
-          }
-        }
-        active.clear();
-        requests.clear();
-        owner.clear();
-        continue;
-      }
-      if (count > 0 && count != MPI_UNDEFINED) {
-        std::vector<Op*> ready;
-        for (int i = 0; i < count; ++i) {
-          Op* op = owner[indices[i]];
-          owner[indices[i]] = nullptr;
-          if (--op->remaining == 0) {
-            ready.push_back(op);
-          }
-        }
-        size_t kept = 0;
-        const size_t polled = requests.size();
-        for (size_t i = 0; i < polled; ++i) {
-          if (owner[i] != nullptr) {
-            requests[kept] = requests[i];
-            owner[kept] = owner[i];
-            ++kept;
-          }
-        }
-        requests.resize(kept);
-        owner.resize(kept);
-        for (Op* op : ready) {
-          advance(*op);
-        }
-        active.erase(std::remove_if(active.begin(), active.end(),
-                                    [](const std::unique_ptr<Op>& op) { return op->done; }),
-                     active.end());
-        continue;
-      }
-      if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
-        auto error = std::make_exception_ptr(CommError(
-            cat("MpiCommunicator on rank ", rank, " was destroyed with ", active.size(),
-                " operation(s) still in flight after waiting ", timeout.count(), " ms")));
-        DECENT_DP_LOG_ERROR(cat("destroying the communicator with ", active.size(),
-                                " operation(s) in flight; MPI will not be finalized"));
-        for (auto& op : active) {
-          if (!op->done) {
-            finish_op(*op, error);
-          }
-        }
-        std::lock_guard<std::mutex> lock(state->mutex);
-        abandoned = true;
-        break;
-      }
-      if (state->waiters.load() > 0 || interval.count() == 0) {
-        std::this_thread::yield();
-      } else {
-        std::unique_lock<std::mutex> lock(state->mutex);
-        state->cv.wait_for(lock, interval,
-                           [this] { return stop || !queue.empty() || state->waiters.load() > 0; });
-      }
-    }
-    if (!abandoned) {
-      std::lock_guard<std::mutex> lock(groups_mutex);
-      for (auto& kv : groups) {
-        MPI_Comm_free(&kv.second.comm);
-      }
-      groups.clear();
-      if (world != MPI_COMM_NULL) {
-        MPI_Comm_free(&world);
-      }
-    }
   }
 
   // The communicator of group `ranks` (ascending, containing this rank), or null.
@@ -420,6 +246,17 @@ struct MpiCommunicator::Impl {
     std::lock_guard<std::mutex> lock(groups_mutex);
     auto it = groups.find(ranks);
     return it == groups.end() ? nullptr : &it->second;
+  }
+
+  void free_communicators() {
+    std::lock_guard<std::mutex> lock(groups_mutex);
+    for (auto& kv : groups) {
+      MPI_Comm_free(&kv.second.comm);
+    }
+    groups.clear();
+    if (world != MPI_COMM_NULL) {
+      MPI_Comm_free(&world);
+    }
   }
 };
 
@@ -432,7 +269,8 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
                    ? options.progress_interval
                    : std::chrono::microseconds(env::progress_interval_us());
   acquire_mpi();
-  d.thread = std::thread([&d] { d.progress_loop(); });
+  d.engine = std::make_shared<detail::ProgressEngine>(d.interval, d.timeout, g_world_rank.load());
+  d.engine->start_thread();
   try {
     d.run_blocking("MpiCommunicator initialisation", [&d] {
       DECENT_DP_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &d.world));
@@ -450,13 +288,8 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
       DECENT_DP_MPI_CHECK(MPI_Comm_free(&local));
     });
   } catch (...) {
-    {
-      std::lock_guard<std::mutex> lock(d.state->mutex);
-      d.stop = true;
-    }
-    d.state->cv.notify_all();
-    d.thread.join();
-    release_mpi(false);
+    const bool clean = d.engine->stop();
+    release_mpi(!clean);
     throw;
   }
   set_log_rank(d.rank, d.size);
@@ -467,15 +300,11 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
 
 MpiCommunicator::~MpiCommunicator() {
   Impl& d = *impl_;
-  {
-    std::lock_guard<std::mutex> lock(d.state->mutex);
-    d.stop = true;
+  const bool clean = d.engine->stop();
+  if (clean) {
+    d.free_communicators();
   }
-  d.state->cv.notify_all();
-  if (d.thread.joinable()) {
-    d.thread.join();
-  }
-  release_mpi(d.abandoned);
+  release_mpi(!clean);
 }
 
 int MpiCommunicator::rank() const { return impl_->rank; }
@@ -599,14 +428,14 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor,
   // Note [ring all-reduce over point-to-point]: the ring is created when the operation
   // starts on the progress thread, which also assigns its tag in submission order.
   auto ring = std::make_shared<std::unique_ptr<detail::RingAllreduce>>();
-  Impl* impl = &d;
+  detail::ProgressEngine* engine = d.engine.get();
   return d.submit(
       work,
-      [ring, impl, group, data, numel, dtype] {
+      [ring, engine, group, data, numel, dtype] {
         if (!*ring) {
           const int tag = static_cast<int>(group->sequence++ % 32768u);
           *ring = std::make_unique<detail::RingAllreduce>(
-              data, numel, dtype, group->comm, group->index, group->size, tag, impl->scratch);
+              data, numel, dtype, group->comm, group->index, group->size, tag, engine->scratch());
         }
         std::vector<MPI_Request> next = (*ring)->next();
         if (next.empty()) {

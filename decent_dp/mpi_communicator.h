@@ -1,13 +1,11 @@
 // Communicator over MPI for CPU tensors.
 //
-// Note [MPI progress thread]
-// Non-blocking MPI collectives progress only inside MPI calls. Every MPI call of a
-// communicator is therefore made by one progress thread it owns: callers enqueue
-// operations, the thread starts them (MPI_Iallreduce, ...) in submission order — which is
-// the program order, identical on every rank, as MPI requires — and polls MPI_Testsome
-// until they complete. While a caller blocks in Work::wait() the thread polls without
-// pausing; otherwise it sleeps `progress_interval` between polls so it leaves the core to
-// the computation it overlaps with. MPI is initialised with MPI_THREAD_MULTIPLE (checked).
+// The MPI calls are made by the communicator's progress engine (Note [MPI progress engine]
+// in detail/progress_engine.h): operations start in submission order, a progress thread
+// advances them while the caller computes, and a caller blocked in Work::wait() advances
+// them itself. All-reduce is a ring over non-blocking point-to-point messages (Note [ring
+// all-reduce over point-to-point] in detail/ring_allreduce.h). MPI is initialised with
+// MPI_THREAD_MULTIPLE (checked).
 #pragma once
 
 #include <chrono>

@@ -26,23 +26,38 @@ void Work::wait() { wait(timeout_); }
 void Work::wait(std::chrono::milliseconds timeout) {
   DECENT_DP_CHECK_ARG(timeout.count() > 0, "Work::wait: timeout must be > 0 ms, got ",
                       timeout.count(), " ms");
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::unique_lock<std::mutex> lock(mutex_);
-  if (!done_) {
-    lock.unlock();
-    on_wait_begin();
-    lock.lock();
-    const bool finished = cv_.wait_for(lock, timeout, [this] { return done_; });
-    lock.unlock();
-    on_wait_end();
-    lock.lock();
-    if (!finished) {
-      const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(
-          std::chrono::steady_clock::now() - start_);
+  if (done_) {
+    if (error_) {
+      std::rethrow_exception(error_);
+    }
+    return;
+  }
+  lock.unlock();
+  on_wait_begin();
+  struct EndWait {
+    Work* work;
+    ~EndWait() { work->on_wait_end(); }
+  } end_wait{this};
+  lock.lock();
+  while (!done_) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      const auto elapsed =
+          std::chrono::duration_cast<std::chrono::milliseconds>(now - start_);
       throw TimeoutError(detail::cat(
           description_, " did not complete within the timeout of ", timeout.count(),
           " ms (elapsed since launch: ", elapsed.count(),
           " ms); a member of the group has not joined this collective, or joined a "
           "different one"));
+    }
+    lock.unlock();
+    const bool progressed = drive_progress();
+    lock.lock();
+    if (!progressed && !done_) {
+      // Someone else advances the operation; finish() wakes us.
+      cv_.wait_until(lock, std::min(deadline, now + std::chrono::milliseconds(5)));
     }
   }
   if (error_) {

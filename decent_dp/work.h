@@ -49,7 +49,10 @@ class Work {
   void finish(std::exception_ptr error = nullptr);
 
  protected:
-  // Called around a blocking wait, so a backend can progress faster while someone waits.
+  // Called repeatedly by a blocked wait(): a backend that can advance its operations from
+  // the waiting thread does so once and returns true; otherwise wait() sleeps until finish().
+  virtual bool drive_progress() { return false; }
+  // Called when a blocked wait() starts and stops driving progress.
   virtual void on_wait_begin() {}
   virtual void on_wait_end() {}
 

@@ -12,8 +12,15 @@ namespace decent_dp {
 namespace detail {
 namespace {
 
+// Built for AVX-512, AVX2 and baseline x86-64; the loader picks the best the CPU has.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DECENT_DP_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define DECENT_DP_MULTIVERSION
+#endif
+
 template <typename T>
-void add_typed(void* dst, const void* src, int64_t n) {
+DECENT_DP_MULTIVERSION void add_typed(void* dst, const void* src, int64_t n) {
   T* __restrict d = static_cast<T*>(dst);
   const T* __restrict s = static_cast<const T*>(src);
   for (int64_t i = 0; i < n; ++i) {
@@ -141,10 +148,7 @@ RingAllreduce::RingAllreduce(char* data, int64_t numel, c10::ScalarType dtype, M
   for (int c = 0; c < size_; ++c) {
     offsets_[c + 1] = offsets_[c] + base + (c < extra ? 1 : 0);
   }
-  // Two ranks exchange whole buffers in one step: the same bytes as the ring, half the
-  // round trips, and a + b == b + a keeps both results bit-identical.
-  pairwise_ = size_ == 2;
-  const int64_t max_chunk = pairwise_ ? numel : base + (extra > 0 ? 1 : 0);
+  const int64_t max_chunk = base + (extra > 0 ? 1 : 0);
   if (max_chunk * element_size_ > INT_MAX) {
     throw InvalidArgument(cat("allreduce: a chunk of ", max_chunk * element_size_,
                               " bytes exceeds what one MPI message can carry (", INT_MAX,
@@ -157,22 +161,6 @@ RingAllreduce::~RingAllreduce() { pool_.release(std::move(scratch_)); }
 
 std::vector<MPI_Request> RingAllreduce::next() {
   const int k = size_;
-  if (pairwise_) {
-    if (step_ == 1) {
-      add_into(data_, scratch_.data.get(), offsets_[k], dtype_);
-    }
-    if (step_ >= 1) {
-      return {};
-    }
-    ++step_;
-    const int peer = 1 - index_;
-    const int bytes = static_cast<int>(offsets_[k] * element_size_);
-    MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-    check(MPI_Irecv(scratch_.data.get(), bytes, MPI_BYTE, peer, tag_, comm_, &requests[0]),
-          "MPI_Irecv");
-    check(MPI_Isend(data_, bytes, MPI_BYTE, peer, tag_, comm_, &requests[1]), "MPI_Isend");
-    return {requests[0], requests[1]};
-  }
   if (pending_chunk_ >= 0) {
     add_into(data_ + chunk_begin(pending_chunk_) * element_size_, scratch_.data.get(),
              chunk_size(pending_chunk_), dtype_);

@@ -9,8 +9,8 @@
 //   right neighbour, receive chunk (i - s - 1) from the left one and add it), then k-1
 //   all-gather steps that pass the reduced chunks around.
 //
-// Each rank sends 2 (k-1)/k of the buffer. With k = 2 the two ranks instead swap whole
-// buffers in one step (same bytes, one round trip instead of two). Every chunk is summed exactly once, along the
+// Each rank sends 2 (k-1)/k of the buffer and adds (k-1)/k of it. (For k = 2, swapping
+// whole buffers in one step was measured slower: it adds twice as much.) Every chunk is summed exactly once, along the
 // ring, and then copied, so all members end with bit-identical results; 16-bit floats are
 // summed in their own dtype (each partial sum rounded). Messages of one operation carry a
 // tag of their own (a per-communicator sequence number), so any number of operations may be
@@ -74,7 +74,6 @@ class RingAllreduce {
   ScratchPool& pool_;
   ScratchPool::Buffer scratch_;
   std::vector<int64_t> offsets_;
-  bool pairwise_ = false;
   int step_ = 0;
   int pending_chunk_ = -1;  // chunk received into scratch_ in the last reduce-scatter step
 };

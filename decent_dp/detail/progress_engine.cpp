@@ -1,0 +1,254 @@
+#include "decent_dp/detail/progress_engine.h"
+
+#include <algorithm>
+
+#ifdef __linux__
+#include <pthread.h>
+#include <sched.h>
+#endif
+
+#include "decent_dp/errors.h"
+#include "decent_dp/logging.h"
+
+namespace decent_dp {
+namespace detail {
+namespace {
+
+std::string mpi_error_text(int code) {
+  char buffer[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(code, buffer, &length) != MPI_SUCCESS) {
+    return cat("MPI error code ", code);
+  }
+  return std::string(buffer, static_cast<size_t>(length));
+}
+
+void finish_op(ProgressEngine::Op& op, std::exception_ptr error) {
+  op.done = true;
+  if (!error && op.complete) {
+    try {
+      op.complete();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  op.work->finish(error);
+}
+
+}  // namespace
+
+ProgressEngine::ProgressEngine(std::chrono::microseconds interval,
+                               std::chrono::milliseconds drain_timeout, int rank)
+    : interval_(interval), drain_timeout_(drain_timeout), rank_(rank) {}
+
+ProgressEngine::~ProgressEngine() { stop(); }
+
+void ProgressEngine::start_thread() { thread_ = std::thread([this] { thread_main(); }); }
+
+void ProgressEngine::enqueue(std::unique_ptr<Op> op) {
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    if (stop_) {
+      throw CommError("MpiCommunicator: operation submitted while the communicator is being "
+                      "destroyed");
+    }
+    queue_.push_back(std::move(op));
+    in_flight_.fetch_add(1);
+  }
+  // Start it right away from the submitting thread when no one else polls, so its first
+  // messages leave without waiting for the progress thread to be scheduled.
+  if (try_progress() == PollResult::kPolled && in_flight_.load() == 0) {
+    return;  // done already (e.g. a tiny message whose peer was waiting)
+  }
+  if (drivers_.load() == 0) {
+    cv_.notify_all();
+  }
+}
+
+ProgressEngine::PollResult ProgressEngine::try_progress() {
+  if (stopped_.load()) {
+    return PollResult::kStopped;
+  }
+  std::unique_lock<std::mutex> token(token_, std::try_to_lock);
+  if (!token.owns_lock()) {
+    return PollResult::kBusy;
+  }
+  poll_once();
+  return PollResult::kPolled;
+}
+
+void ProgressEngine::add_driver() { drivers_.fetch_add(1); }
+
+void ProgressEngine::remove_driver() {
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    drivers_.fetch_sub(1);
+  }
+  if (in_flight_.load() > 0) {
+    cv_.notify_all();  // operations are left that the progress thread must advance
+  }
+}
+
+void ProgressEngine::advance(Op& op) {
+  std::vector<MPI_Request> posted;
+  try {
+    posted = op.next();
+  } catch (...) {
+    finish_op(op, std::current_exception());
+    return;
+  }
+  if (posted.empty()) {
+    finish_op(op, nullptr);
+    return;
+  }
+  op.remaining = posted.size();
+  for (MPI_Request r : posted) {
+    requests_.push_back(r);
+    owner_.push_back(&op);
+  }
+}
+
+void ProgressEngine::fail_all(std::exception_ptr error) {
+  for (auto& op : active_) {
+    if (!op->done) {
+      finish_op(*op, error);
+    }
+  }
+  in_flight_.fetch_sub(active_.size());
+  active_.clear();
+  requests_.clear();
+  owner_.clear();
+}
+
+void ProgressEngine::poll_once() {
+  std::deque<std::unique_ptr<Op>> incoming;
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    incoming.swap(queue_);
+  }
+  bool any_done = false;
+  for (auto& op : incoming) {
+    Op& raw = *op;
+    active_.push_back(std::move(op));
+    advance(raw);
+    any_done = any_done || raw.done;
+  }
+  if (!requests_.empty()) {
+    indices_.resize(requests_.size());
+    int count = 0;
+    const int rc = MPI_Testsome(static_cast<int>(requests_.size()), requests_.data(), &count,
+                                indices_.data(), MPI_STATUSES_IGNORE);
+    if (rc != MPI_SUCCESS) {
+      fail_all(std::make_exception_ptr(
+          CommError(cat("MPI_Testsome failed on rank ", rank_, ": ", mpi_error_text(rc)))));
+      return;
+    }
+    if (count > 0 && count != MPI_UNDEFINED) {
+      ready_.clear();
+      for (int i = 0; i < count; ++i) {
+        Op* op = owner_[indices_[i]];
+        owner_[indices_[i]] = nullptr;
+        if (--op->remaining == 0) {
+          ready_.push_back(op);
+        }
+      }
+      size_t kept = 0;
+      for (size_t i = 0; i < requests_.size(); ++i) {
+        if (owner_[i] != nullptr) {
+          requests_[kept] = requests_[i];
+          owner_[kept] = owner_[i];
+          ++kept;
+        }
+      }
+      requests_.resize(kept);
+      owner_.resize(kept);
+      for (Op* op : ready_) {
+        advance(*op);
+        any_done = any_done || op->done;
+      }
+    }
+  }
+  if (any_done) {
+    const size_t before = active_.size();
+    active_.erase(std::remove_if(active_.begin(), active_.end(),
+                                 [](const std::unique_ptr<Op>& op) { return op->done; }),
+                  active_.end());
+    in_flight_.fetch_sub(before - active_.size());
+  }
+}
+
+void ProgressEngine::thread_main() {
+#ifdef __linux__
+  // SCHED_BATCH: a fair share of the core, but a wake-up never preempts the thread that is
+  // running (the caller that just submitted work and is about to wait or compute).
+  sched_param param{};
+  param.sched_priority = 0;
+  pthread_setschedparam(pthread_self(), SCHED_BATCH, &param);
+#endif
+  bool stopping = false;
+  std::chrono::steady_clock::time_point deadline{};
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(queue_mutex_);
+      // Nothing to do, or a waiting caller polls: sleep until that changes.
+      cv_.wait(lock, [this] {
+        return stop_ || (in_flight_.load() > 0 && drivers_.load() == 0);
+      });
+      if (stop_ && !stopping) {
+        stopping = true;
+        deadline = std::chrono::steady_clock::now() + drain_timeout_;
+      }
+    }
+    {
+      std::unique_lock<std::mutex> token(token_, std::try_to_lock);
+      if (token.owns_lock()) {
+        poll_once();
+        if (stopping && in_flight_.load() == 0) {
+          break;
+        }
+        if (stopping && std::chrono::steady_clock::now() > deadline) {
+          const size_t n = in_flight_.load();
+          DECENT_DP_LOG_ERROR(cat("destroying the communicator with ", n,
+                                  " operation(s) in flight; MPI will not be finalized"));
+          {
+            std::lock_guard<std::mutex> lock(queue_mutex_);
+            for (auto& op : queue_) {
+              active_.push_back(std::move(op));
+            }
+            queue_.clear();
+          }
+          fail_all(std::make_exception_ptr(CommError(
+              cat("MpiCommunicator on rank ", rank_, " was destroyed with ", n,
+                  " operation(s) in flight after waiting ", drain_timeout_.count(), " ms"))));
+          abandoned_ = true;
+          break;
+        }
+      }
+    }
+    if (in_flight_.load() == 0) {
+      continue;
+    }
+    if (interval_.count() == 0) {
+      std::this_thread::yield();
+    } else {
+      std::unique_lock<std::mutex> lock(queue_mutex_);
+      cv_.wait_for(lock, interval_, [this] { return stop_ || !queue_.empty(); });
+    }
+  }
+}
+
+bool ProgressEngine::stop() {
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) {
+    thread_.join();
+  }
+  stopped_.store(true);
+  return !abandoned_;
+}
+
+}  // namespace detail
+}  // namespace decent_dp

@@ -1,0 +1,103 @@
+// Note [MPI progress engine]
+// Non-blocking MPI operations progress only inside MPI calls. The engine owns every MPI
+// operation a communicator has in flight and advances them in poll_once(): it starts queued
+// operations in submission order (which is program order, the same on every rank, as MPI
+// requires), tests their requests with MPI_Testsome and moves multi-step operations (the
+// ring all-reduce) to their next step.
+//
+// Only the holder of the engine's token polls. Two kinds of thread take it:
+//  - the engine's progress thread, which polls every `interval` while operations are in
+//    flight (sleeping in between so it leaves the core to the computation it overlaps) and
+//    sleeps without polling while there are none or while a caller drives;
+//  - a caller blocked in Work::wait(), which polls continuously instead of sleeping, so a
+//    wait costs no thread hand-offs and runs at the speed of a blocking MPI call.
+#pragma once
+
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "decent_dp/detail/ring_allreduce.h"
+#include "decent_dp/work.h"
+
+namespace decent_dp {
+namespace detail {
+
+class ProgressEngine {
+ public:
+  struct Op {
+    std::shared_ptr<Work> work;
+    // Called by the token holder when the operation starts and again each time all the
+    // requests it returned have completed: issues the next MPI calls and returns their
+    // requests, or none when the operation is done.
+    std::function<std::vector<MPI_Request>()> next;
+    // Runs once every step completed (e.g. the division of an average).
+    std::function<void()> complete;
+    size_t remaining = 0;
+    bool done = false;
+  };
+
+  // `drain_timeout`: how long stop() lets in-flight operations finish.
+  ProgressEngine(std::chrono::microseconds interval, std::chrono::milliseconds drain_timeout,
+                 int rank);
+  ~ProgressEngine();
+
+  void start_thread();
+  // Finishes (or, after drain_timeout, fails) every operation and joins the thread.
+  // Returns false when operations had to be abandoned in flight.
+  bool stop();
+
+  void enqueue(std::unique_ptr<Op> op);
+  enum class PollResult { kPolled, kBusy, kStopped };
+  // Polls once unless another thread holds the token (kBusy) or the engine stopped.
+  PollResult try_progress();
+  // A caller blocked in Work::wait() polls through try_progress() between these two calls;
+  // meanwhile the progress thread sleeps instead of competing for the core.
+  void add_driver();
+  void remove_driver();
+
+  // Scratch buffers for operations; used only by the token holder.
+  ScratchPool& scratch() { return scratch_; }
+
+ private:
+  void thread_main();
+  void poll_once();  // requires the token
+  void advance(Op& op);
+  void fail_all(std::exception_ptr error);
+
+  const std::chrono::microseconds interval_;
+  const std::chrono::milliseconds drain_timeout_;
+  const int rank_;
+
+  std::mutex token_;
+  // Token holder only.
+  std::vector<std::unique_ptr<Op>> active_;
+  std::vector<MPI_Request> requests_;
+  std::vector<Op*> owner_;
+  std::vector<int> indices_;
+  std::vector<Op*> ready_;
+  ScratchPool scratch_;
+
+  std::mutex queue_mutex_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Op>> queue_;  // guarded by queue_mutex_
+  bool stop_ = false;                      // guarded by queue_mutex_
+  std::atomic<size_t> in_flight_{0};       // queued + active
+  std::atomic<int> drivers_{0};
+  std::atomic<bool> stopped_{false};
+  bool abandoned_ = false;
+  std::thread thread_;
+};
+
+}  // namespace detail
+}  // namespace decent_dp
