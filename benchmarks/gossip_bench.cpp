@@ -12,8 +12,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <nlohmann/json.hpp>
 
@@ -33,10 +33,14 @@ int64_t parse_size(const std::string& text) {
   size_t used = 0;
   double v = std::stod(text, &used);
   std::string unit = text.substr(used);
-  if (unit == "K" || unit == "k") v *= 1024;
-  else if (unit == "M" || unit == "m") v *= 1024.0 * 1024;
-  else if (unit == "G" || unit == "g") v *= 1024.0 * 1024 * 1024;
-  else if (!unit.empty()) throw CLI::ValidationError("size", "unknown unit in '" + text + "'");
+  if (unit == "K" || unit == "k")
+    v *= 1024;
+  else if (unit == "M" || unit == "m")
+    v *= 1024.0 * 1024;
+  else if (unit == "G" || unit == "g")
+    v *= 1024.0 * 1024 * 1024;
+  else if (!unit.empty())
+    throw CLI::ValidationError("size", "unknown unit in '" + text + "'");
   return static_cast<int64_t>(v);
 }
 
@@ -50,15 +54,18 @@ struct Result {
 
 // Exactly representable inputs: rank r holds (r + 1) * (i % 5 + 1).
 void fill(float* p, int64_t n, int rank) {
-  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>((rank + 1) * (i % 5 + 1));
+  for (int64_t i = 0; i < n; ++i)
+    p[i] = static_cast<float>((rank + 1) * (i % 5 + 1));
 }
 
 int64_t count_wrong(const float* p, int64_t n, const std::vector<int>& ranks) {
   double rank_sum = 0;
-  for (int r : ranks) rank_sum += r + 1;
+  for (int r : ranks)
+    rank_sum += r + 1;
   int64_t wrong = 0;
   for (int64_t i = 0; i < n; ++i) {
-    if (p[i] != static_cast<float>(rank_sum * (i % 5 + 1))) ++wrong;
+    if (p[i] != static_cast<float>(rank_sum * (i % 5 + 1)))
+      ++wrong;
   }
   return wrong;
 }
@@ -81,7 +88,8 @@ double median_of_slowest(std::vector<double>& us) {
 
 double mean_of_slowest(const std::vector<double>& slowest) {
   double sum = 0;
-  for (double v : slowest) sum += v;
+  for (double v : slowest)
+    sum += v;
   return sum / static_cast<double>(slowest.size());
 }
 
@@ -119,11 +127,13 @@ int main(int argc, char** argv) {
   const int rank = comm.rank(), n = comm.size();
   nlohmann::json results = nlohmann::json::array();
   if (rank == 0) {
-    fmt::print("# gossip_bench: {} ranks, {} iterations after {} warm-up, float32, sum; time = "
-               "median over iterations of the slowest rank\n",
-               n, iters, warmup);
-    fmt::print("# library = decent_dp MpiCommunicator::allreduce (async + wait); mpi = "
-               "MPI_Allreduce on the same group\n");
+    fmt::print(
+        "# gossip_bench: {} ranks, {} iterations after {} warm-up, float32, sum; time = "
+        "median over iterations of the slowest rank\n",
+        n, iters, warmup);
+    fmt::print(
+        "# library = decent_dp MpiCommunicator::allreduce (async + wait); mpi = "
+        "MPI_Allreduce on the same group\n");
   }
   at::Tensor buffer = at::empty({max_bytes / 4 + 1}, at::kFloat);
   float* data = buffer.data_ptr<float>();
@@ -133,7 +143,8 @@ int main(int argc, char** argv) {
     try {
       topo = decent_dp::topology::make_topology(name, n, lws > 0 ? lws : std::min(2, n));
     } catch (const decent_dp::InvalidArgument& e) {
-      if (rank == 0) fmt::print("# skipping {}: {}\n", name, e.what());
+      if (rank == 0)
+        fmt::print("# skipping {}: {}\n", name, e.what());
       continue;
     }
     comm.make_groups(topo->distinct_groups());
@@ -142,17 +153,19 @@ int main(int argc, char** argv) {
       int k_max = 0, color = 0;
       for (size_t g = 0; g < topo->slot(s).size(); ++g) {
         k_max = std::max(k_max, topo->slot(s)[g].size());
-        if (topo->slot(s)[g].contains(rank)) color = static_cast<int>(g);
+        if (topo->slot(s)[g].contains(rank))
+          color = static_cast<int>(g);
       }
       MPI_Comm raw = MPI_COMM_NULL;
       MPI_Comm_split(MPI_COMM_WORLD, color, rank, &raw);
       if (rank == 0) {
         fmt::print("\n# {} slot {}: {}  (busbw factor 2(k-1)/k with k = {})\n", topo->name(), s,
                    decent_dp::topology::to_string(topo->slot(s)), k_max);
-        fmt::print("#{:>11} {:>11} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>10} {:>8} {:>8} {:>6} | "
-                   "{:>6}\n",
-                   "size(B)", "count", "type", "lib us", "algbw", "busbw", "#wrong", "mpi us",
-                   "algbw", "busbw", "#wrong", "ratio");
+        fmt::print(
+            "#{:>11} {:>11} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>10} {:>8} {:>8} {:>6} | "
+            "{:>6}\n",
+            "size(B)", "count", "type", "lib us", "algbw", "busbw", "#wrong", "mpi us", "algbw",
+            "busbw", "#wrong", "ratio");
       }
       for (double bytes_d = static_cast<double>(min_bytes); bytes_d <= max_bytes * 1.0000001;
            bytes_d *= factor) {
@@ -198,10 +211,11 @@ int main(int argc, char** argv) {
         const Result mpi = finish(mpi_us, mpi_once);
         const double ratio = mpi.time_us > 0 ? mpi.time_us / lib.time_us : 0.0;
         if (rank == 0) {
-          fmt::print("{:>12} {:>11} {:>6} | {:>10.1f} {:>8.3f} {:>8.3f} {:>6} | {:>10.1f} "
-                     "{:>8.3f} {:>8.3f} {:>6} | {:>6.3f}\n",
-                     bytes, count, "float", lib.time_us, lib.algbw, lib.busbw, lib.wrong,
-                     mpi.time_us, mpi.algbw, mpi.busbw, mpi.wrong, ratio);
+          fmt::print(
+              "{:>12} {:>11} {:>6} | {:>10.1f} {:>8.3f} {:>8.3f} {:>6} | {:>10.1f} "
+              "{:>8.3f} {:>8.3f} {:>6} | {:>6.3f}\n",
+              bytes, count, "float", lib.time_us, lib.algbw, lib.busbw, lib.wrong, mpi.time_us,
+              mpi.algbw, mpi.busbw, mpi.wrong, ratio);
           results.push_back({{"topology", topo->name()},
                              {"slot", s},
                              {"groups", decent_dp::topology::to_string(topo->slot(s))},
@@ -209,15 +223,24 @@ int main(int argc, char** argv) {
                              {"bytes", bytes},
                              {"count", count},
                              {"type", "float"},
-                             {"library", {{"time_us", lib.time_us}, {"mean_us", lib.mean_us}, {"algbw_GBps", lib.algbw},
-                                          {"busbw_GBps", lib.busbw}, {"wrong", lib.wrong}}},
-                             {"mpi", {{"time_us", mpi.time_us}, {"mean_us", mpi.mean_us}, {"algbw_GBps", mpi.algbw},
-                                      {"busbw_GBps", mpi.busbw}, {"wrong", mpi.wrong}}},
+                             {"library",
+                              {{"time_us", lib.time_us},
+                               {"mean_us", lib.mean_us},
+                               {"algbw_GBps", lib.algbw},
+                               {"busbw_GBps", lib.busbw},
+                               {"wrong", lib.wrong}}},
+                             {"mpi",
+                              {{"time_us", mpi.time_us},
+                               {"mean_us", mpi.mean_us},
+                               {"algbw_GBps", mpi.algbw},
+                               {"busbw_GBps", mpi.busbw},
+                               {"wrong", mpi.wrong}}},
                              {"bandwidth_ratio", ratio}});
         }
         if (lib.wrong != 0 || mpi.wrong != 0) {
           MPI_Comm_free(&raw);
-          if (rank == 0) fmt::print(stderr, "wrong results: stopping\n");
+          if (rank == 0)
+            fmt::print(stderr, "wrong results: stopping\n");
           return 1;
         }
       }

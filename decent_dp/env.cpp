@@ -27,8 +27,8 @@ int64_t read_int(const char* name, int64_t fallback, int64_t min_value) {
     used = 0;
   }
   if (used != text.size() || value < min_value) {
-    throw InvalidArgument(detail::cat("environment variable ", name, " must be an integer >= ",
-                                      min_value, ", got '", text, "'"));
+    throw InvalidArgument(detail::cat("environment variable ", name,
+                                      " must be an integer >= ", min_value, ", got '", text, "'"));
   }
   return value;
 }

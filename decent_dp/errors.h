@@ -21,9 +21,9 @@ std::string cat(const Args&... args) {
 }  // namespace decent_dp
 
 // Throws InvalidArgument with the message built from the arguments when `cond` is false.
-#define DECENT_DP_CHECK_ARG(cond, ...)                                     \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
+#define DECENT_DP_CHECK_ARG(cond, ...)                                           \
+  do {                                                                           \
+    if (!(cond)) {                                                               \
       throw ::decent_dp::InvalidArgument(::decent_dp::detail::cat(__VA_ARGS__)); \
-    }                                                                      \
+    }                                                                            \
   } while (0)

@@ -36,15 +36,22 @@ const char* level_letter(LogLevel level) {
 }  // namespace
 
 LogLevel parse_log_level(const std::string& text) {
-  if (text == "trace") return LogLevel::kTrace;
-  if (text == "debug") return LogLevel::kDebug;
-  if (text == "info") return LogLevel::kInfo;
-  if (text == "warn") return LogLevel::kWarn;
-  if (text == "error") return LogLevel::kError;
-  if (text == "off") return LogLevel::kOff;
-  throw InvalidArgument(detail::cat("log level must be one of trace, debug, info, warn, error, "
-                                    "off; got '",
-                                    text, "'"));
+  if (text == "trace")
+    return LogLevel::kTrace;
+  if (text == "debug")
+    return LogLevel::kDebug;
+  if (text == "info")
+    return LogLevel::kInfo;
+  if (text == "warn")
+    return LogLevel::kWarn;
+  if (text == "error")
+    return LogLevel::kError;
+  if (text == "off")
+    return LogLevel::kOff;
+  throw InvalidArgument(
+      detail::cat("log level must be one of trace, debug, info, warn, error, "
+                  "off; got '",
+                  text, "'"));
 }
 
 LogLevel log_level() {
@@ -66,7 +73,9 @@ LogLevel log_level() {
   return static_cast<LogLevel>(level);
 }
 
-void set_log_level(LogLevel level) { g_level.store(static_cast<int>(level)); }
+void set_log_level(LogLevel level) {
+  g_level.store(static_cast<int>(level));
+}
 
 void set_log_rank(int rank, int world_size) {
   g_rank.store(rank);
@@ -77,8 +86,8 @@ void log_message(LogLevel level, const std::string& message) {
   std::lock_guard<std::mutex> lock(g_write_mutex);
   const int rank = g_rank.load();
   if (rank >= 0) {
-    std::fprintf(stderr, "[decent_dp rank %d/%d] %s %s\n", rank, g_size.load(),
-                 level_letter(level), message.c_str());
+    std::fprintf(stderr, "[decent_dp rank %d/%d] %s %s\n", rank, g_size.load(), level_letter(level),
+                 message.c_str());
   } else {
     std::fprintf(stderr, "[decent_dp] %s %s\n", level_letter(level), message.c_str());
   }

@@ -15,16 +15,18 @@ void set_log_level(LogLevel level);
 LogLevel parse_log_level(const std::string& text);
 // The rank prefix of every line; set by the communicator once it knows its rank.
 void set_log_rank(int rank, int world_size);
-inline bool log_enabled(LogLevel level) { return level >= log_level(); }
+inline bool log_enabled(LogLevel level) {
+  return level >= log_level();
+}
 void log_message(LogLevel level, const std::string& message);
 
 }  // namespace decent_dp
 
-#define DECENT_DP_LOG(level, message)                          \
-  do {                                                         \
-    if (::decent_dp::log_enabled(level)) {                     \
-      ::decent_dp::log_message(level, (message));              \
-    }                                                          \
+#define DECENT_DP_LOG(level, message)             \
+  do {                                            \
+    if (::decent_dp::log_enabled(level)) {        \
+      ::decent_dp::log_message(level, (message)); \
+    }                                             \
   } while (0)
 #define DECENT_DP_LOG_DEBUG(message) DECENT_DP_LOG(::decent_dp::LogLevel::kDebug, message)
 #define DECENT_DP_LOG_INFO(message) DECENT_DP_LOG(::decent_dp::LogLevel::kInfo, message)

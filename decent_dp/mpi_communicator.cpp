@@ -1,6 +1,5 @@
 #include "decent_dp/mpi_communicator.h"
 
-
 #include <algorithm>
 #include <atomic>
 #include <climits>
@@ -33,16 +32,16 @@ std::string mpi_error_string(int code) {
 }
 
 [[noreturn]] void throw_mpi_error(const char* call, int code, const char* file, int line) {
-  throw CommError(cat(call, " failed on rank ", g_world_rank.load(), " at ", file, ":", line,
-                      ": ", mpi_error_string(code)));
+  throw CommError(cat(call, " failed on rank ", g_world_rank.load(), " at ", file, ":", line, ": ",
+                      mpi_error_string(code)));
 }
 
-#define DECENT_DP_MPI_CHECK(call)                            \
-  do {                                                       \
-    const int decent_dp_rc_ = (call);                        \
-    if (decent_dp_rc_ != MPI_SUCCESS) {                      \
+#define DECENT_DP_MPI_CHECK(call)                                \
+  do {                                                           \
+    const int decent_dp_rc_ = (call);                            \
+    if (decent_dp_rc_ != MPI_SUCCESS) {                          \
       throw_mpi_error(#call, decent_dp_rc_, __FILE__, __LINE__); \
-    }                                                        \
+    }                                                            \
   } while (0)
 
 // ---- one-time MPI initialisation ----
@@ -104,7 +103,9 @@ void release_mpi(bool abandoned) {
 
 // ---- tensors ----
 
-std::string dtype_name(const at::Tensor& t) { return std::string(c10::toString(t.scalar_type())); }
+std::string dtype_name(const at::Tensor& t) {
+  return std::string(c10::toString(t.scalar_type()));
+}
 
 void check_reduce_dtype(const at::Tensor& t, const char* op_name) {
   switch (t.scalar_type()) {
@@ -116,8 +117,9 @@ void check_reduce_dtype(const at::Tensor& t, const char* op_name) {
     case at::kLong:
       return;
     default:
-      throw InvalidArgument(cat(op_name, ": the MPI backend reduces tensors of dtype float32, "
-                                         "float64, bfloat16, float16, int32 or int64; got ",
+      throw InvalidArgument(cat(op_name,
+                                ": the MPI backend reduces tensors of dtype float32, "
+                                "float64, bfloat16, float16, int32 or int64; got ",
                                 dtype_name(t)));
   }
 }
@@ -125,12 +127,11 @@ void check_reduce_dtype(const at::Tensor& t, const char* op_name) {
 void check_cpu_tensor(const at::Tensor& t, const char* op_name, const char* arg) {
   DECENT_DP_CHECK_ARG(t.defined(), op_name, ": ", arg, " must be a defined tensor");
   DECENT_DP_CHECK_ARG(t.device().is_cpu(), op_name, ": the MPI backend takes CPU tensors; ", arg,
-                      " is on ", t.device().str(),
-                      " (CUDA tensors go through the NCCL backend)");
+                      " is on ", t.device().str(), " (CUDA tensors go through the NCCL backend)");
   DECENT_DP_CHECK_ARG(t.layout() == at::kStrided, op_name, ": ", arg,
                       " must be a dense (strided) tensor");
-  DECENT_DP_CHECK_ARG(t.is_contiguous(), op_name, ": ", arg,
-                      " must be contiguous; got sizes ", t.sizes(), " strides ", t.strides(),
+  DECENT_DP_CHECK_ARG(t.is_contiguous(), op_name, ": ", arg, " must be contiguous; got sizes ",
+                      t.sizes(), " strides ", t.strides(),
                       " (call .contiguous() on it, or use a contiguous buffer)");
 }
 
@@ -224,8 +225,7 @@ struct MpiCommunicator::Impl {
   }
 
   std::shared_ptr<Work> make_work(std::string description, std::vector<at::Tensor> tensors) {
-    return std::make_shared<MpiWork>(std::move(description), std::move(tensors), timeout,
-                                     engine);
+    return std::make_shared<MpiWork>(std::move(description), std::move(tensors), timeout, engine);
   }
 
   // Runs a blocking task in the engine, after every operation submitted before it started.
@@ -263,8 +263,8 @@ struct MpiCommunicator::Impl {
 MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Impl>()) {
   Impl& d = *impl_;
   d.options = options;
-  d.timeout = options.timeout.count() > 0 ? options.timeout
-                                           : std::chrono::milliseconds(env::timeout_ms());
+  d.timeout =
+      options.timeout.count() > 0 ? options.timeout : std::chrono::milliseconds(env::timeout_ms());
   d.interval = options.progress_interval.count() >= 0
                    ? options.progress_interval
                    : std::chrono::microseconds(env::progress_interval_us());
@@ -307,11 +307,21 @@ MpiCommunicator::~MpiCommunicator() {
   release_mpi(!clean);
 }
 
-int MpiCommunicator::rank() const { return impl_->rank; }
-int MpiCommunicator::size() const { return impl_->size; }
-int MpiCommunicator::local_rank() const { return impl_->local_rank; }
-int MpiCommunicator::local_size() const { return impl_->local_size; }
-std::chrono::milliseconds MpiCommunicator::timeout() const { return impl_->timeout; }
+int MpiCommunicator::rank() const {
+  return impl_->rank;
+}
+int MpiCommunicator::size() const {
+  return impl_->size;
+}
+int MpiCommunicator::local_rank() const {
+  return impl_->local_rank;
+}
+int MpiCommunicator::local_size() const {
+  return impl_->local_size;
+}
+std::chrono::milliseconds MpiCommunicator::timeout() const {
+  return impl_->timeout;
+}
 
 bool MpiCommunicator::has_group(const std::vector<int>& ranks) const {
   Impl& d = *impl_;
@@ -337,8 +347,7 @@ void MpiCommunicator::make_groups(const std::vector<std::vector<int>>& groups) {
                           ranks_to_string(g), " names rank ", g[j], ", expected ranks in [0, ",
                           d.size - 1, "]");
       DECENT_DP_CHECK_ARG(j == 0 || g[j] > g[j - 1], "make_groups: group ", i, " ",
-                          ranks_to_string(g),
-                          " must list distinct ranks in ascending order");
+                          ranks_to_string(g), " must list distinct ranks in ascending order");
       mix(static_cast<uint64_t>(g[j]));
     }
     mix(0xFFFFFFFFULL);
@@ -410,10 +419,10 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor,
   DECENT_DP_CHECK_ARG(k == 1 || group != nullptr, "allreduce: no communicator for group ",
                       ranks_to_string(ranks), " on rank ", d.rank,
                       "; create it first with make_groups() on every rank");
-  auto work = d.make_work(cat("allreduce(", to_string(op), ", ", tensor.numel(), " x ",
-                              dtype_name(tensor), ") on group ", ranks_to_string(ranks),
-                              " (rank ", d.rank, ")"),
-                          {tensor});
+  auto work =
+      d.make_work(cat("allreduce(", to_string(op), ", ", tensor.numel(), " x ", dtype_name(tensor),
+                      ") on group ", ranks_to_string(ranks), " (rank ", d.rank, ")"),
+                  {tensor});
   if (k == 1) {
     work->finish();  // the mean of one value is the value itself
     return work;
@@ -451,8 +460,8 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int r
   check_cpu_tensor(tensor, "broadcast", "tensor");
   DECENT_DP_CHECK_ARG(root >= 0 && root < d.size, "broadcast: root must be in [0, ", d.size - 1,
                       "], got ", root);
-  auto work = d.make_work(cat("broadcast(", tensor.numel(), " x ", dtype_name(tensor),
-                              ", root ", root, ") over all ", d.size, " ranks (rank ", d.rank, ")"),
+  auto work = d.make_work(cat("broadcast(", tensor.numel(), " x ", dtype_name(tensor), ", root ",
+                              root, ") over all ", d.size, " ranks (rank ", d.rank, ")"),
                           {tensor});
   char* data = static_cast<char*>(tensor.data_ptr());
   const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
@@ -472,7 +481,8 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int r
   });
 }
 
-std::shared_ptr<Work> MpiCommunicator::allgather(const at::Tensor& output, const at::Tensor& input) {
+std::shared_ptr<Work> MpiCommunicator::allgather(const at::Tensor& output,
+                                                 const at::Tensor& input) {
   Impl& d = *impl_;
   check_cpu_tensor(input, "allgather", "input");
   check_cpu_tensor(output, "allgather", "output");

@@ -21,7 +21,9 @@ bool Work::has_error() const {
   return done_ && error_ != nullptr;
 }
 
-void Work::wait() { wait(timeout_); }
+void Work::wait() {
+  wait(timeout_);
+}
 
 void Work::wait(std::chrono::milliseconds timeout) {
   DECENT_DP_CHECK_ARG(timeout.count() > 0, "Work::wait: timeout must be > 0 ms, got ",
@@ -44,13 +46,12 @@ void Work::wait(std::chrono::milliseconds timeout) {
   while (!done_) {
     const auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
-      const auto elapsed =
-          std::chrono::duration_cast<std::chrono::milliseconds>(now - start_);
-      throw TimeoutError(detail::cat(
-          description_, " did not complete within the timeout of ", timeout.count(),
-          " ms (elapsed since launch: ", elapsed.count(),
-          " ms); a member of the group has not joined this collective, or joined a "
-          "different one"));
+      const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(now - start_);
+      throw TimeoutError(
+          detail::cat(description_, " did not complete within the timeout of ", timeout.count(),
+                      " ms (elapsed since launch: ", elapsed.count(),
+                      " ms); a member of the group has not joined this collective, or joined a "
+                      "different one"));
     }
     lock.unlock();
     const bool progressed = drive_progress();
@@ -65,7 +66,9 @@ void Work::wait(std::chrono::milliseconds timeout) {
   }
 }
 
-void Work::synchronize() { wait(); }
+void Work::synchronize() {
+  wait();
+}
 
 void Work::finish(std::exception_ptr error) {
   {

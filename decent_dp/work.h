@@ -22,8 +22,7 @@ class Work {
  public:
   // `description` names the operation and its group, e.g.
   // "allreduce(avg, 1024 x float32) on group [0,1]"; `timeout` is the default of wait().
-  Work(std::string description, std::vector<at::Tensor> tensors,
-       std::chrono::milliseconds timeout);
+  Work(std::string description, std::vector<at::Tensor> tensors, std::chrono::milliseconds timeout);
   virtual ~Work() = default;
 
   Work(const Work&) = delete;

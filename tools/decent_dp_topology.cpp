@@ -6,9 +6,9 @@
 // Prints every slot's groups and weights, the spectral gap of one period and the bytes a
 // rank sends per step when the model has --params parameters. Bytes use the bandwidth-
 // optimal all-reduce of a group of k ranks: 2 (k - 1) / k * model bytes (0 for k = 1).
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <CLI/CLI.hpp>
 
 #include <nlohmann/json.hpp>
 
@@ -88,8 +88,8 @@ int main(int argc, char** argv) {
       std::cout << out.dump(2) << "\n";
       return 0;
     }
-    fmt::print("topology {} (n = {}, lws = {}): period {}, spectral gap {:.6f}\n", topo->name(),
-               n, lws, topo->period(), topo->spectral_gap());
+    fmt::print("topology {} (n = {}, lws = {}): period {}, spectral gap {:.6f}\n", topo->name(), n,
+               lws, topo->period(), topo->spectral_gap());
     for (int s = 0; s < topo->period(); ++s) {
       const Slot& sl = topo->slot(s);
       std::vector<std::string> weights;

@@ -12,7 +12,9 @@ namespace decent_dp {
 namespace topology {
 namespace {
 
-bool is_power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
+bool is_power_of_two(int n) {
+  return n > 0 && (n & (n - 1)) == 0;
+}
 
 int log2_exact(int n) {
   int s = 0;
@@ -95,13 +97,14 @@ void Topology::materialise() const {
 void Topology::check_slots(const std::vector<Slot>& slots) const {
   const int n = world_size_;
   if (slots.empty()) {
-    throw TopologyError(fmt::format("topology '{}' (n = {}) has no slots; expected at least one",
-                                    name_, n));
+    throw TopologyError(
+        fmt::format("topology '{}' (n = {}) has no slots; expected at least one", name_, n));
   }
   for (size_t s = 0; s < slots.size(); ++s) {
     std::vector<int> seen(n, 0);
     if (slots[s].empty()) {
-      throw TopologyError(fmt::format("topology '{}' (n = {}): slot {} has no groups", name_, n, s));
+      throw TopologyError(
+          fmt::format("topology '{}' (n = {}): slot {} has no groups", name_, n, s));
     }
     for (const auto& g : slots[s]) {
       if (g.ranks.empty()) {
@@ -122,8 +125,8 @@ void Topology::check_slots(const std::vector<Slot>& slots) const {
       for (int r : g.ranks) {
         if (r < 0 || r >= n) {
           throw TopologyError(fmt::format(
-              "topology '{}' (n = {}): slot {} names rank {}, expected ranks in [0, {}]", name_,
-              n, s, r, n - 1));
+              "topology '{}' (n = {}): slot {} names rank {}, expected ranks in [0, {}]", name_, n,
+              s, r, n - 1));
         }
         if (++seen[r] > 1) {
           throw TopologyError(fmt::format(
@@ -143,7 +146,9 @@ void Topology::check_slots(const std::vector<Slot>& slots) const {
   }
 }
 
-void Topology::validate() const { materialise(); }
+void Topology::validate() const {
+  materialise();
+}
 
 int Topology::period() const {
   materialise();
@@ -158,24 +163,23 @@ const std::vector<Slot>& Topology::slots() const {
 const Slot& Topology::slot(int s) const {
   materialise();
   if (s < 0 || s >= static_cast<int>(slots_.size())) {
-    throw InvalidArgument(fmt::format("topology '{}': slot index must be in [0, {}), got {}",
-                                      name_, slots_.size(), s));
+    throw InvalidArgument(fmt::format("topology '{}': slot index must be in [0, {}), got {}", name_,
+                                      slots_.size(), s));
   }
   return slots_[s];
 }
 
 int Topology::slot_index(int64_t step) const {
   if (step < 0) {
-    throw InvalidArgument(
-        fmt::format("topology '{}': step must be >= 0, got {}", name_, step));
+    throw InvalidArgument(fmt::format("topology '{}': step must be >= 0, got {}", name_, step));
   }
   return static_cast<int>(step % period());
 }
 
 const Group& Topology::group_of(int rank, int64_t step) const {
   if (rank < 0 || rank >= world_size_) {
-    throw InvalidArgument(fmt::format("topology '{}': rank must be in [0, {}), got {}", name_,
-                                      world_size_, rank));
+    throw InvalidArgument(
+        fmt::format("topology '{}': rank must be in [0, {}), got {}", name_, world_size_, rank));
   }
   const int s = slot_index(step);
   return slots_[s][slot_group_[static_cast<size_t>(s) * world_size_ + rank]];
@@ -314,8 +318,8 @@ RingTopology::RingTopology(int world_size, int local_world_size)
 
 void RingTopology::check_world_size() const {
   if (world_size() % 2 != 0) {
-    throw TopologyError(fmt::format("ring topology needs an even world size, got {}",
-                                    world_size()));
+    throw TopologyError(
+        fmt::format("ring topology needs an even world size, got {}", world_size()));
   }
 }
 
@@ -365,10 +369,10 @@ void AlternatingExpRingTopology::check_world_size() const {
         "alternating-exp-ring topology needs local_world_size > 1 (ranks per node), got {}", lws));
   }
   if (n % lws != 0) {
-    throw TopologyError(fmt::format(
-        "alternating-exp-ring topology needs world size {} to be a multiple of "
-        "local_world_size {}",
-        n, lws));
+    throw TopologyError(
+        fmt::format("alternating-exp-ring topology needs world size {} to be a multiple of "
+                    "local_world_size {}",
+                    n, lws));
   }
   const int m = n / lws;
   if (m < 2 || !is_power_of_two(m)) {
@@ -530,8 +534,8 @@ std::unique_ptr<Topology> make_topology(const std::string& name, int world_size,
         known.push_back(kv.first);
       }
       std::sort(known.begin(), known.end());
-      throw InvalidArgument(fmt::format("unknown topology '{}'; expected one of: {}", name,
-                                        fmt::join(known, ", ")));
+      throw InvalidArgument(
+          fmt::format("unknown topology '{}'; expected one of: {}", name, fmt::join(known, ", ")));
     }
     factory = it->second;
   }

@@ -41,16 +41,21 @@ ProgressEngine::ProgressEngine(std::chrono::microseconds interval,
                                std::chrono::milliseconds drain_timeout, int rank)
     : interval_(interval), drain_timeout_(drain_timeout), rank_(rank) {}
 
-ProgressEngine::~ProgressEngine() { stop(); }
+ProgressEngine::~ProgressEngine() {
+  stop();
+}
 
-void ProgressEngine::start_thread() { thread_ = std::thread([this] { thread_main(); }); }
+void ProgressEngine::start_thread() {
+  thread_ = std::thread([this] { thread_main(); });
+}
 
 void ProgressEngine::enqueue(std::unique_ptr<Op> op) {
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
     if (stop_) {
-      throw CommError("MpiCommunicator: operation submitted while the communicator is being "
-                      "destroyed");
+      throw CommError(
+          "MpiCommunicator: operation submitted while the communicator is being "
+          "destroyed");
     }
     queue_.push_back(std::move(op));
     in_flight_.fetch_add(1);
@@ -77,7 +82,9 @@ ProgressEngine::PollResult ProgressEngine::try_progress() {
   return PollResult::kPolled;
 }
 
-void ProgressEngine::add_driver() { drivers_.fetch_add(1); }
+void ProgressEngine::add_driver() {
+  drivers_.fetch_add(1);
+}
 
 void ProgressEngine::remove_driver() {
   {
@@ -191,9 +198,7 @@ void ProgressEngine::thread_main() {
     {
       std::unique_lock<std::mutex> lock(queue_mutex_);
       // Nothing to do, or a waiting caller polls: sleep until that changes.
-      cv_.wait(lock, [this] {
-        return stop_ || (in_flight_.load() > 0 && drivers_.load() == 0);
-      });
+      cv_.wait(lock, [this] { return stop_ || (in_flight_.load() > 0 && drivers_.load() == 0); });
       if (stop_ && !stopping) {
         stopping = true;
         deadline = std::chrono::steady_clock::now() + drain_timeout_;

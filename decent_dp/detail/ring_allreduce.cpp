@@ -86,9 +86,9 @@ void ScratchPool::release(Buffer buffer) {
   constexpr size_t kMaxFree = 16;
   if (free_.size() >= kMaxFree) {
     // Drop the smallest so the pool keeps the sizes that are in use.
-    auto smallest = std::min_element(free_.begin(), free_.end(), [](const Buffer& a, const Buffer& b) {
-      return a.bytes < b.bytes;
-    });
+    auto smallest =
+        std::min_element(free_.begin(), free_.end(),
+                         [](const Buffer& a, const Buffer& b) { return a.bytes < b.bytes; });
     if (smallest->bytes >= buffer.bytes) {
       return;
     }
@@ -157,7 +157,9 @@ RingAllreduce::RingAllreduce(char* data, int64_t numel, c10::ScalarType dtype, M
   scratch_ = pool_.acquire(static_cast<size_t>(max_chunk * element_size_));
 }
 
-RingAllreduce::~RingAllreduce() { pool_.release(std::move(scratch_)); }
+RingAllreduce::~RingAllreduce() {
+  pool_.release(std::move(scratch_));
+}
 
 std::vector<MPI_Request> RingAllreduce::next() {
   const int k = size_;

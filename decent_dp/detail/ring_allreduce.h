@@ -10,10 +10,10 @@
 //   all-gather steps that pass the reduced chunks around.
 //
 // Each rank sends 2 (k-1)/k of the buffer and adds (k-1)/k of it. (For k = 2, swapping
-// whole buffers in one step was measured slower: it adds twice as much.) Every chunk is summed exactly once, along the
-// ring, and then copied, so all members end with bit-identical results; 16-bit floats are
-// summed in their own dtype (each partial sum rounded). Messages of one operation carry a
-// tag of their own (a per-communicator sequence number), so any number of operations may be
+// whole buffers in one step was measured slower: it adds twice as much.) Every chunk is summed
+// exactly once, along the ring, and then copied, so all members end with bit-identical results;
+// 16-bit floats are summed in their own dtype (each partial sum rounded). Messages of one operation
+// carry a tag of their own (a per-communicator sequence number), so any number of operations may be
 // in flight on one communicator.
 #pragma once
 

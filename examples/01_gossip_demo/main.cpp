@@ -46,13 +46,15 @@ int main(int argc, char** argv) {
     auto topo = decent_dp::topology::make_topology(name, n, lws > 0 ? lws : comm.local_size());
     comm.make_groups(topo->distinct_groups());
     std::vector<int> all(n);
-    for (int r = 0; r < n; ++r) all[r] = r;
+    for (int r = 0; r < n; ++r)
+      all[r] = r;
 
     at::Tensor x = at::empty({numel}, at::kFloat);
     std::mt19937 rng(1234 + comm.rank());
     std::normal_distribution<float> normal(static_cast<float>(comm.rank()), 1.0f);
     float* p = x.data_ptr<float>();
-    for (int64_t i = 0; i < numel; ++i) p[i] = normal(rng);
+    for (int64_t i = 0; i < numel; ++i)
+      p[i] = normal(rng);
 
     auto [d0, m0] = consensus(comm, x, all);
     if (comm.rank() == 0) {
@@ -66,8 +68,8 @@ int main(int argc, char** argv) {
       comm.allreduce(x, group.ranks, decent_dp::ReduceOp::kAvg)->wait();
       auto [d, m] = consensus(comm, x, all);
       if (comm.rank() == 0) {
-        std::printf("step %3d  consensus distance %.6e  mean[0] %+.6f  (slot %d)\n", step + 1, d,
-                    m, topo->slot_index(step));
+        std::printf("step %3d  consensus distance %.6e  mean[0] %+.6f  (slot %d)\n", step + 1, d, m,
+                    topo->slot_index(step));
       }
     }
   } catch (const decent_dp::InvalidArgument& e) {

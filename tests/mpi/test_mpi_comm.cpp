@@ -21,7 +21,9 @@ namespace {
 
 // Input of rank r at element i: (r + 1) * (i % 3 + 1). Small integers, so every partial sum
 // is exact even in bfloat16 (8 bits of mantissa) for up to 8 ranks.
-double input_value(int rank, int64_t i) { return (rank + 1.0) * static_cast<double>(i % 3 + 1); }
+double input_value(int rank, int64_t i) {
+  return (rank + 1.0) * static_cast<double>(i % 3 + 1);
+}
 
 at::Tensor make_input(int rank, int64_t n, at::ScalarType dtype) {
   auto t = at::arange(n, at::TensorOptions().dtype(at::kDouble));
@@ -78,13 +80,17 @@ int64_t count_wrong_any(const at::Tensor& t, const std::vector<int>& ranks, Redu
   }
 }
 
-bool is_power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
+bool is_power_of_two(int n) {
+  return n > 0 && (n & (n - 1)) == 0;
+}
 
 std::vector<std::unique_ptr<topology::Topology>> topologies_for(int n) {
   std::vector<std::unique_ptr<topology::Topology>> out;
   out.push_back(topology::make_topology("complete", n, 1));
-  if (n % 2 == 0 || n == 1) out.push_back(topology::make_topology("ring", n, 1));
-  if (is_power_of_two(n)) out.push_back(topology::make_topology("exp", n, 1));
+  if (n % 2 == 0 || n == 1)
+    out.push_back(topology::make_topology("ring", n, 1));
+  if (is_power_of_two(n))
+    out.push_back(topology::make_topology("exp", n, 1));
   for (int lws = 2; lws <= n; ++lws) {
     if (n % lws == 0 && is_power_of_two(n / lws) && n / lws >= 2) {
       out.push_back(topology::make_topology("aer", n, lws));
@@ -134,7 +140,8 @@ TEST_CASE("group all-reduce matches closed forms for every slot of every topolog
 TEST_CASE("integer sums and a large odd-sized tensor", "[mpi]") {
   auto& c = comm();
   std::vector<int> all(c.size());
-  for (int r = 0; r < c.size(); ++r) all[r] = r;
+  for (int r = 0; r < c.size(); ++r)
+    all[r] = r;
   for (auto dtype : {at::kInt, at::kLong}) {
     auto t = make_input(c.rank(), 1001, dtype);
     c.allreduce(t, all, ReduceOp::kSum)->wait();
@@ -159,8 +166,10 @@ TEST_CASE("many outstanding works waited in a different order than launched", "[
     works.push_back(c.allreduce(tensors.back(), groups.back(), ReduceOp::kAvg));
   }
   // Reverse order, then the odd ones before the even ones.
-  for (int i = 23; i >= 0; i -= 2) works[i]->wait();
-  for (int i = 22; i >= 0; i -= 2) works[i]->wait();
+  for (int i = 23; i >= 0; i -= 2)
+    works[i]->wait();
+  for (int i = 22; i >= 0; i -= 2)
+    works[i]->wait();
   for (int i = 0; i < 24; ++i) {
     INFO("rank " << c.rank() << " work " << i << ": " << works[i]->description());
     CHECK(works[i]->is_completed());
@@ -172,13 +181,15 @@ TEST_CASE("communication progresses while the caller computes", "[mpi]") {
   // Nobody calls into MPI or wait() here: only the progress thread can complete the work.
   auto& c = comm();
   std::vector<int> all(c.size());
-  for (int r = 0; r < c.size(); ++r) all[r] = r;
+  for (int r = 0; r < c.size(); ++r)
+    all[r] = r;
   auto t = make_input(c.rank(), int64_t{4} << 20, at::kFloat);  // 16 MiB
   auto work = c.allreduce(t, all, ReduceOp::kSum);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   volatile double sink = 0.0;
   while (!work->is_completed() && std::chrono::steady_clock::now() < deadline) {
-    for (int i = 0; i < 100000; ++i) sink = sink + i * 0.5;  // "compute"
+    for (int i = 0; i < 100000; ++i)
+      sink = sink + i * 0.5;  // "compute"
   }
   CHECK(work->is_completed());
   work->wait();
@@ -214,7 +225,8 @@ TEST_CASE("a rank that does not join makes the others time out with a clear erro
     return;
   }
   std::vector<int> all(n);
-  for (int r = 0; r < n; ++r) all[r] = r;
+  for (int r = 0; r < n; ++r)
+    all[r] = r;
   const auto timeout = std::chrono::milliseconds(1000);
   auto t = make_input(c.rank(), 64, at::kFloat);
   if (c.rank() == n - 1) {
@@ -244,7 +256,8 @@ TEST_CASE("bad input gets one clear error", "[mpi]") {
   auto& c = comm();
   const int n = c.size();
   std::vector<int> all(n);
-  for (int r = 0; r < n; ++r) all[r] = r;
+  for (int r = 0; r < n; ++r)
+    all[r] = r;
   auto strided = at::zeros({4, 6}, at::kFloat).t();
   CHECK_THROWS_MATCHES(c.allreduce(strided, all, ReduceOp::kSum), InvalidArgument,
                        Catch::Matchers::Predicate<InvalidArgument>([](const InvalidArgument& e) {
@@ -255,8 +268,9 @@ TEST_CASE("bad input gets one clear error", "[mpi]") {
   auto meta = at::empty({4}, at::TensorOptions().dtype(at::kFloat).device(at::kMeta));
   CHECK_THROWS_WITH(c.allreduce(meta, all, ReduceOp::kSum),
                     Catch::Contains("the MPI backend takes CPU tensors; tensor is on meta"));
-  CHECK_THROWS_WITH(c.allreduce(at::zeros({4}, at::kBool), all, ReduceOp::kSum),
-                    Catch::Contains("float32, float64, bfloat16, float16, int32 or int64; got Bool"));
+  CHECK_THROWS_WITH(
+      c.allreduce(at::zeros({4}, at::kBool), all, ReduceOp::kSum),
+      Catch::Contains("float32, float64, bfloat16, float16, int32 or int64; got Bool"));
   CHECK_THROWS_WITH(c.allreduce(at::zeros({4}, at::kInt), all, ReduceOp::kAvg),
                     Catch::Contains("kAvg needs a floating-point tensor"));
   CHECK_THROWS_WITH(c.allreduce(at::Tensor(), all, ReduceOp::kSum),
@@ -304,7 +318,8 @@ TEST_CASE("every member of a group ends with bit-identical results", "[mpi]") {
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
     auto t = at::arange(10007, at::kDouble).mul(0.001 * (c.rank() + 1)).sin().to(dtype);
     std::vector<int> all(n);
-    for (int r = 0; r < n; ++r) all[r] = r;
+    for (int r = 0; r < n; ++r)
+      all[r] = r;
     c.allreduce(t, all, ReduceOp::kAvg)->wait();
     auto bytes = t.view(at::kByte);
     auto gathered = at::empty({bytes.numel() * n}, at::kByte);

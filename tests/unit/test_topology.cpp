@@ -30,7 +30,9 @@ std::vector<int> range(int a, int b) {
   return r;
 }
 
-bool is_power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
+bool is_power_of_two(int n) {
+  return n > 0 && (n & (n - 1)) == 0;
+}
 
 // Every (name, n, lws) a built-in accepts for n in 1..64.
 struct Config {
@@ -43,8 +45,10 @@ std::vector<Config> valid_configs() {
   std::vector<Config> out;
   for (int n = 1; n <= 64; ++n) {
     out.push_back({"complete", n, 1});
-    if (n % 2 == 0 || n == 1) out.push_back({"ring", n, 1});
-    if (is_power_of_two(n)) out.push_back({"one-peer-exp", n, 1});
+    if (n % 2 == 0 || n == 1)
+      out.push_back({"ring", n, 1});
+    if (is_power_of_two(n))
+      out.push_back({"one-peer-exp", n, 1});
     for (int lws = 2; lws <= n; ++lws) {
       if (n % lws == 0 && is_power_of_two(n / lws) && n / lws >= 2) {
         out.push_back({"alternating-exp-ring", n, lws});
@@ -93,8 +97,7 @@ TEST_CASE("aliases resolve to the canonical topologies", "[topology]") {
   CHECK_FALSE(is_registered("nosuch"));
 }
 
-TEST_CASE("every slot of every built-in is a partition with weights 1/k, n = 1..64",
-          "[topology]") {
+TEST_CASE("every slot of every built-in is a partition with weights 1/k, n = 1..64", "[topology]") {
   for (const auto& c : valid_configs()) {
     INFO(c.name << " n=" << c.n << " lws=" << c.lws);
     auto t = make_topology(c.name, c.n, c.lws);
@@ -150,8 +153,7 @@ TEST_CASE("the structure of each built-in for larger n", "[topology]") {
     for (int i = 0; i < n; i += 2) {
       CHECK(ring->group_of(i, 0).ranks == std::vector<int>{i, i + 1});
       const int left = (i - 1 + n) % n;
-      CHECK(ring->group_of(i, 1).ranks ==
-            std::vector<int>{std::min(i, left), std::max(i, left)});
+      CHECK(ring->group_of(i, 1).ranks == std::vector<int>{std::min(i, left), std::max(i, left)});
     }
   }
   // aer with m nodes: 2 * log2(m) slots, groups either one node or two whole nodes.
@@ -174,8 +176,7 @@ TEST_CASE("one rank is local training for every topology", "[topology]") {
   }
 }
 
-TEST_CASE("constraint violations name the topology, the constraint and the numbers",
-          "[topology]") {
+TEST_CASE("constraint violations name the topology, the constraint and the numbers", "[topology]") {
   CHECK_THROWS_MATCHES(make_topology("ring", 5, 1), TopologyError,
                        Catch::Message("ring topology needs an even world size, got 5"));
   CHECK_THROWS_MATCHES(
@@ -186,8 +187,7 @@ TEST_CASE("constraint violations name the topology, the constraint and the numbe
                                       "(ranks per node), got 1"));
   CHECK_THROWS_WITH(make_topology("aer", 12, 5),
                     Catch::Contains("world size 12 to be a multiple of local_world_size 5"));
-  CHECK_THROWS_WITH(make_topology("aer", 12, 4),
-                    Catch::Contains("power of two >= 2, got 3"));
+  CHECK_THROWS_WITH(make_topology("aer", 12, 4), Catch::Contains("power of two >= 2, got 3"));
   CHECK_THROWS_WITH(make_topology("aer", 4, 4), Catch::Contains("power of two >= 2, got 1"));
   CHECK_THROWS_MATCHES(make_topology("nosuch", 4, 1), InvalidArgument,
                        Catch::Message("unknown topology 'nosuch'; expected one of: aer, "
@@ -289,8 +289,8 @@ TEST_CASE("spectral gap", "[topology]") {
   CHECK(g32 < g8);
   // Two disconnected halves never agree.
   register_topology("halves", SlotsFn([](int n, int) {
-                      return std::vector<Slot>{
-                          Slot{Group{range(0, n / 2 - 1), 2.0 / n}, Group{range(n / 2, n - 1), 2.0 / n}}};
+                      return std::vector<Slot>{Slot{Group{range(0, n / 2 - 1), 2.0 / n},
+                                                    Group{range(n / 2, n - 1), 2.0 / n}}};
                     }));
   CHECK(make_topology("halves", 4, 1)->spectral_gap() == Approx(0.0).margin(1e-9));
 }
