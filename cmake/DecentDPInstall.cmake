@@ -4,15 +4,15 @@ include(CMakePackageConfigHelpers)
 
 set(DECENT_DP_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/DecentDP)
 
-install(TARGETS decent_dp decent_dp_core decent_dp_topology
+install(TARGETS decent_dp decent_dp_core decent_dp_optim decent_dp_topology
   EXPORT DecentDPTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-foreach(_dir topology decent_dp)
+foreach(_dir topology decent_dp optim)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${_dir}/
     DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/decent_dp/${_dir}
-    FILES_MATCHING PATTERN "*.h")
+    FILES_MATCHING PATTERN "*.h" PATTERN "detail" EXCLUDE)
 endforeach()
 install(EXPORT DecentDPTargets NAMESPACE decent_dp:: DESTINATION ${DECENT_DP_CMAKE_DIR})
 

@@ -1,7 +1,9 @@
-// The one exception hierarchy of decent_dp. It lives in the lowest layer so that
-// topology/, decent_dp/ and optim/ all throw the same types.
+// The one exception hierarchy of decent_dp, and the argument check every layer uses. It
+// lives in the lowest layer (header-only, no dependencies) so that topology/, decent_dp/ and
+// optim/ all throw the same types.
 #pragma once
 
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -38,4 +40,23 @@ class TimeoutError : public CommError {
   explicit TimeoutError(const std::string& what) : CommError(what) {}
 };
 
+namespace detail {
+
+// Concatenates the arguments with operator<<.
+template <typename... Args>
+std::string cat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+
+}  // namespace detail
 }  // namespace decent_dp
+
+// Throws InvalidArgument with the message built from the arguments when `cond` is false.
+#define DECENT_DP_CHECK_ARG(cond, ...)                                           \
+  do {                                                                           \
+    if (!(cond)) {                                                               \
+      throw ::decent_dp::InvalidArgument(::decent_dp::detail::cat(__VA_ARGS__)); \
+    }                                                                            \
+  } while (0)

@@ -1,0 +1,59 @@
+#include "optim/flat_cache.h"
+
+#include <ATen/ops/zeros_like.h>
+
+namespace decent_dp {
+namespace optim {
+
+FlatCache::Entry* FlatCache::lookup(size_t group, const std::vector<at::Tensor>& params,
+                                    const std::vector<at::Tensor>& grads) {
+  Cached& c = entries_[group];
+  bool same = c.param_ptrs.size() == params.size() && !c.param_ptrs.empty();
+  for (size_t i = 0; same && i < params.size(); ++i) {
+    same = c.param_ptrs[i] == params[i].data_ptr() && c.grad_ptrs[i] == grads[i].data_ptr();
+  }
+  if (same) {
+    c.entry.fresh = false;
+    return c.flat ? &c.entry : nullptr;
+  }
+  c = Cached();
+  for (size_t i = 0; i < params.size(); ++i) {
+    c.param_ptrs.push_back(params[i].data_ptr());
+    c.grad_ptrs.push_back(grads[i].data_ptr());
+  }
+  auto layout = detect_flat_layout(params, grads);
+  if (!layout) {
+    return nullptr;
+  }
+  c.flat = true;
+  c.entry.layout = std::move(*layout);
+  return &c.entry;
+}
+
+void bind_flat_state(const FlatLayout& layout, const std::vector<at::Tensor>& params,
+                     std::vector<at::Tensor>& blocks,
+                     const std::vector<std::vector<at::Tensor*>>& slots) {
+  for (size_t k = 0; k < slots.size(); ++k) {
+    if (!blocks[k].defined()) {
+      blocks[k] = at::zeros_like(layout.params, at::MemoryFormat::Contiguous);
+    }
+    const at::Tensor& block = blocks[k];
+    const size_t element_size = block.element_size();
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor& t = *slots[k][i];
+      const char* expected =
+          static_cast<const char*>(block.data_ptr()) + layout.offsets[i] * element_size;
+      if (t.defined() && t.data_ptr() == expected && t.strides() == params[i].strides()) {
+        continue;  // already a view at the right place
+      }
+      at::Tensor view = view_like(block, params[i], layout.offsets[i]);
+      if (t.defined()) {
+        view.copy_(t);
+      }
+      t = view;
+    }
+  }
+}
+
+}  // namespace optim
+}  // namespace decent_dp
