@@ -1,0 +1,105 @@
+#include "decent_dp/bucket.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <map>
+#include <sstream>
+
+#include "topology/errors.h"
+
+namespace decent_dp {
+
+int64_t align_numel(int64_t numel) {
+  return (numel + kBucketAlignment - 1) / kBucketAlignment * kBucketAlignment;
+}
+
+std::vector<BucketSpec> plan_buckets(const std::vector<BucketEntry>& entries, int64_t cap_bytes) {
+  DECENT_DP_CHECK_ARG(cap_bytes > 0, "bucket cap must be > 0 bytes, got ", cap_bytes);
+  struct Open {
+    BucketSpec spec;
+    size_t first_position;
+  };
+  std::vector<BucketSpec> closed;
+  std::map<std::pair<int, std::string>, Open> open;  // by (dtype, device)
+  for (size_t pos = 0; pos < entries.size(); ++pos) {
+    const BucketEntry& e = entries[pos];
+    const auto key = std::make_pair(static_cast<int>(e.dtype), e.device.str());
+    auto it = open.find(key);
+    if (it == open.end()) {
+      Open o;
+      o.spec.dtype = e.dtype;
+      o.spec.device = e.device;
+      o.first_position = pos;
+      it = open.emplace(key, std::move(o)).first;
+    }
+    BucketSpec& b = it->second.spec;
+    b.params.push_back(e.index);
+    b.offsets.push_back(b.numel);
+    b.numel += align_numel(e.numel);
+    if (b.bytes() >= cap_bytes) {
+      closed.push_back(std::move(b));
+      open.erase(it);
+    }
+  }
+  std::vector<Open> rest;
+  for (auto& kv : open) {
+    rest.push_back(std::move(kv.second));
+  }
+  std::sort(rest.begin(), rest.end(),
+            [](const Open& a, const Open& b) { return a.first_position < b.first_position; });
+  for (auto& o : rest) {
+    closed.push_back(std::move(o.spec));
+  }
+  return closed;
+}
+
+BucketStorage make_bucket_storage(const BucketSpec& spec, const std::vector<at::Tensor>& params,
+                                  bool as_view) {
+  BucketStorage s;
+  const auto options = at::TensorOptions().dtype(spec.dtype).device(spec.device);
+  s.params = at::zeros({spec.numel}, options);
+  s.grads = at::zeros({spec.numel}, options);
+  s.comm = at::zeros({spec.numel}, options);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    const int64_t offset = spec.offsets[i];
+    // Dense layouts (contiguous, channels-last, ...) keep their strides inside the block.
+    auto view_of = [&](const at::Tensor& block) {
+      if (p.is_non_overlapping_and_dense()) {
+        return block.as_strided(p.sizes(), p.strides(), offset);
+      }
+      return block.narrow(0, offset, p.numel()).view(p.sizes());
+    };
+    at::Tensor pv = view_of(s.params);
+    at::Tensor gv = view_of(s.grads);
+    pv.copy_(p.detach());
+    if (as_view) {
+      const at::Tensor& g = p.grad();
+      if (g.defined()) {
+        gv.copy_(g);
+      }
+      at::Tensor mutable_p = p;
+      mutable_p.set_data(pv);
+      mutable_p.mutable_grad() = gv;
+    }
+    s.param_views.push_back(pv);
+    s.grad_views.push_back(gv);
+  }
+  return s;
+}
+
+std::string describe_bucket(size_t index, const BucketSpec& spec,
+                            const std::vector<std::string>& names) {
+  std::ostringstream os;
+  os << "bucket " << index << ": " << spec.params.size() << " params, "
+     << static_cast<double>(spec.bytes()) / (1 << 20) << " MiB " << c10::toString(spec.dtype)
+     << " on " << spec.device.str() << " (";
+  for (size_t i = 0; i < spec.params.size(); ++i) {
+    os << (i ? " " : "") << names[spec.params[i]];
+  }
+  os << ")";
+  return os.str();
+}
+
+}  // namespace decent_dp

@@ -1,0 +1,67 @@
+// Note [bucket plan]
+// Parameters are grouped into buckets (spec §4): only parameters that receive gradients,
+// grouped by (dtype, device) — a bucket never mixes them — walked in the order their
+// gradients became ready in iteration 1. Each parameter takes align(numel) * element_size
+// bytes, align rounding up to a multiple of kBucketAlignment elements; a bucket closes when
+// its running total reaches the cap (the parameter that crosses the cap stays in it) or at
+// the end. Buckets are numbered in the order they close, then the still-open ones in the
+// order of their first parameter: gradients of the last layers arrive first, so those
+// buckets communicate first.
+//
+// Each bucket owns three flat blocks of its dtype and device: parameters (every parameter
+// becomes a view into it, dense layouts such as channels-last keep their strides),
+// gradients (every .grad is a view into it) and communication. Padding stays zero.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace decent_dp {
+
+constexpr int64_t kBucketAlignment = 32;  // elements
+
+struct BucketEntry {
+  size_t index;  // parameter index in the model's named_parameters() order
+  int64_t numel;
+  c10::ScalarType dtype;
+  c10::Device device;
+};
+
+struct BucketSpec {
+  std::vector<size_t> params;    // parameter indices, in gradient-ready order
+  std::vector<int64_t> offsets;  // element offset of each parameter in the blocks
+  int64_t numel = 0;             // elements of each block, padding included
+  c10::ScalarType dtype = c10::kFloat;
+  c10::Device device = c10::Device(c10::kCPU);
+  int64_t bytes() const { return numel * static_cast<int64_t>(c10::elementSize(dtype)); }
+};
+
+int64_t align_numel(int64_t numel);
+
+// The buckets of `entries` (in gradient-ready order) under `cap_bytes` (> 0).
+std::vector<BucketSpec> plan_buckets(const std::vector<BucketEntry>& entries, int64_t cap_bytes);
+
+// The three flat blocks of one bucket and the views of its parameters.
+struct BucketStorage {
+  at::Tensor params;  // flat parameter block
+  at::Tensor grads;   // flat gradient block
+  at::Tensor comm;    // flat communication block
+  std::vector<at::Tensor> param_views;
+  std::vector<at::Tensor> grad_views;
+};
+
+// Allocates the blocks of `spec` and lays out views shaped and strided like `params`
+// (the bucket's parameters, in spec order). With `as_view`, each parameter's data becomes
+// its view (set_data) and its gradient the gradient view (an existing gradient is copied
+// in); otherwise the parameters keep their storage and the caller copies in and out.
+BucketStorage make_bucket_storage(const BucketSpec& spec, const std::vector<at::Tensor>& params,
+                                  bool as_view);
+
+// Summary for logs: "bucket 0: 3 params, 1.25 MiB (fc2.weight fc2.bias fc1.bias)".
+std::string describe_bucket(size_t index, const BucketSpec& spec,
+                            const std::vector<std::string>& names);
+
+}  // namespace decent_dp

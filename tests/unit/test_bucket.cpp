@@ -1,0 +1,81 @@
+#include "torch_catch.h"
+
+#include <torch/torch.h>
+
+#include "decent_dp/bucket.h"
+
+using namespace decent_dp;
+
+namespace {
+
+BucketEntry entry(size_t i, int64_t numel, c10::ScalarType t = c10::kFloat) {
+  return BucketEntry{i, numel, t, c10::Device(c10::kCPU)};
+}
+
+}  // namespace
+
+TEST_CASE("bucket plan: alignment, cap boundaries, order", "[bucket]") {
+  CHECK(align_numel(0) == 0);
+  CHECK(align_numel(1) == 32);
+  CHECK(align_numel(32) == 32);
+  CHECK(align_numel(33) == 64);
+  // float32: 32 elements = 128 bytes per aligned slot. Cap 256 bytes = two slots.
+  auto plan = plan_buckets({entry(5, 10), entry(4, 20), entry(3, 40), entry(2, 1), entry(1, 7)}, 256);
+  REQUIRE(plan.size() == 3);
+  CHECK(plan[0].params == std::vector<size_t>{5, 4});  // 128 + 128 = 256 reaches the cap
+  CHECK(plan[0].offsets == std::vector<int64_t>{0, 32});
+  CHECK(plan[0].numel == 64);
+  CHECK(plan[1].params == std::vector<size_t>{3});  // 64 elements = 256 bytes: closes alone
+  CHECK(plan[1].numel == 64);
+  CHECK(plan[2].params == std::vector<size_t>{2, 1});  // the rest, still open at the end
+  CHECK(plan[2].bytes() == 256);
+  // The parameter that crosses the cap stays in the bucket.
+  auto crossing = plan_buckets({entry(0, 10), entry(1, 100)}, 200);
+  REQUIRE(crossing.size() == 1);
+  CHECK(crossing[0].params == std::vector<size_t>{0, 1});
+  // A huge cap makes one bucket; each parameter gets its own when the cap is tiny.
+  CHECK(plan_buckets({entry(0, 5), entry(1, 5), entry(2, 5)}, 1 << 30).size() == 1);
+  CHECK(plan_buckets({entry(0, 5), entry(1, 5), entry(2, 5)}, 1).size() == 3);
+  CHECK_THROWS_WITH(plan_buckets({entry(0, 5)}, 0), Catch::Contains("bucket cap must be > 0 bytes, got 0"));
+}
+
+TEST_CASE("bucket plan: dtypes never mix", "[bucket]") {
+  auto plan = plan_buckets({entry(0, 8, c10::kFloat), entry(1, 8, c10::kDouble),
+                            entry(2, 8, c10::kFloat), entry(3, 8, c10::kBFloat16)},
+                           1 << 20);
+  REQUIRE(plan.size() == 3);
+  CHECK(plan[0].dtype == c10::kFloat);
+  CHECK(plan[0].params == std::vector<size_t>{0, 2});
+  CHECK(plan[1].dtype == c10::kDouble);
+  CHECK(plan[1].params == std::vector<size_t>{1});
+  CHECK(plan[2].dtype == c10::kBFloat16);
+  CHECK(plan[2].bytes() == 64);
+}
+
+TEST_CASE("bucket storage: views share the blocks, channels-last keeps its strides", "[bucket]") {
+  torch::manual_seed(0);
+  auto conv = torch::randn({4, 3, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast).requires_grad_(true);
+  auto bias = torch::randn({4}).requires_grad_(true);
+  const auto conv_values = conv.detach().clone();
+  conv.mutable_grad() = torch::ones_like(conv);
+  auto plan = plan_buckets({entry(0, conv.numel()), entry(1, bias.numel())}, 1 << 20);
+  REQUIRE(plan.size() == 1);
+  auto storage = make_bucket_storage(plan[0], {conv, bias}, /*as_view=*/true);
+  CHECK(storage.params.numel() == align_numel(108) + align_numel(4));
+  CHECK(conv.is_contiguous(at::MemoryFormat::ChannelsLast));
+  CHECK(conv.strides() == conv_values.strides());
+  CHECK(conv.is_alias_of(storage.params));
+  CHECK(bias.is_alias_of(storage.params));
+  CHECK(conv.grad().is_alias_of(storage.grads));
+  CHECK(torch::equal(conv, conv_values));
+  CHECK(conv.grad().sum().item<double>() == 108.0);  // the existing gradient was copied in
+  CHECK(bias.grad().is_alias_of(storage.grads));  // gradients always live in the block
+  CHECK(bias.grad().abs().sum().item<double>() == 0.0);
+  // Padding is zero and the views are where the plan says.
+  CHECK(storage.params.narrow(0, 108, 128 - 108).abs().sum().item<double>() == 0.0);
+  CHECK(storage.params[128].item<float>() == bias[0].item<float>());
+  // Writing the block is visible through the parameter.
+  torch::NoGradGuard no_grad;
+  storage.params.narrow(0, 128, 4).fill_(7.0);
+  CHECK(bias.sum().item<double>() == 28.0);
+}
