@@ -521,6 +521,8 @@ double DataParallelCore::get_lr() const {
   return buckets_[0].optimizer->param_groups()[0].options().get_lr();
 }
 
+size_t DataParallelCore::bucket_count() const { return buckets_.size(); }
+
 const BucketSpec& DataParallelCore::bucket_spec(size_t b) const {
   DECENT_DP_CHECK_ARG(b < buckets_.size(), "bucket index must be < ", buckets_.size(), ", got ",
                       b);

@@ -99,7 +99,7 @@ class DataParallelCore : public torch::nn::Module {
   // Bucket 0's current learning rate (buckets exist after the first backward).
   double get_lr() const;
 
-  size_t bucket_count() const { return buckets_.size(); }
+  size_t bucket_count() const;
   const BucketSpec& bucket_spec(size_t b) const;
   const BucketStorage& bucket_storage(size_t b) const;
   torch::optim::Optimizer& optimizer(size_t b);

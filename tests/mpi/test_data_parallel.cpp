@@ -1,0 +1,440 @@
+#include "torch_catch.h"
+
+#include <torch/torch.h>
+
+#include "decent_dp/decentralized_data_parallel.h"
+#include "decent_dp/distributed_data_parallel.h"
+#include "mpi_test_util.h"
+#include "optim/factories.h"
+#include "simulator.h"
+
+using namespace decent_dp;
+using decent_dp::testing::comm;
+
+namespace {
+
+std::shared_ptr<Communicator> shared_comm() {
+  // The test main owns the communicator; the wrappers borrow it.
+  return std::shared_ptr<Communicator>(&comm(), [](Communicator*) {});
+}
+
+torch::nn::Sequential make_mlp() {
+  torch::manual_seed(42);
+  return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+}
+
+torch::nn::Sequential make_cnn() {
+  torch::manual_seed(43);
+  return torch::nn::Sequential(
+      // No conv bias before BatchNorm: its exact gradient is zero, so Adam would only amplify
+      // rounding noise.
+      torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1).bias(false)),
+      torch::nn::BatchNorm2d(4),
+      torch::nn::ReLU(), torch::nn::Flatten(), torch::nn::Linear(4 * 5 * 5, 3));
+}
+
+struct Batch {
+  at::Tensor x, y;
+};
+
+// Different data on every rank and step, reproducible anywhere.
+Batch batch_for(bool cnn, int rank, int step, int64_t size = 6) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * rank + step + 1);
+  if (cnn) {
+    return {at::randn({size, 2, 5, 5}, gen), at::randn({size, 3}, gen)};
+  }
+  return {at::randn({size, 8}, gen), at::randn({size, 4}, gen)};
+}
+
+at::Tensor loss_of(torch::nn::Sequential& model, const Batch& b) {
+  return torch::mse_loss(model->forward(b.x), b.y);
+}
+
+double relative_error(const at::Tensor& a, const at::Tensor& b) {
+  const double ref = b.norm().item<double>();
+  const double diff = (a - b).norm().item<double>();
+  return ref == 0 ? diff : diff / ref;
+}
+
+void check_matches(torch::nn::Module& mine, torch::nn::Module& ref, double rtol) {
+  auto a = mine.named_parameters();
+  auto b = ref.named_parameters();
+  REQUIRE(a.size() == b.size());
+  for (const auto& p : a) {
+    INFO("rank " << comm().rank() << " parameter " << p.key());
+    CHECK(relative_error(p.value(), b[p.key()]) <= rtol);
+  }
+}
+
+bool power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
+
+std::vector<std::pair<std::string, int>> topologies_for(int n) {
+  std::vector<std::pair<std::string, int>> out = {{"complete", 1}};
+  if (n % 2 == 0 || n == 1) out.push_back({"ring", 1});
+  if (power_of_two(n)) out.push_back({"exp", 1});
+  if (n % 2 == 0 && power_of_two(n / 2) && n >= 4) out.push_back({"aer", 2});
+  return out;
+}
+
+DataParallelOptions small_buckets(const std::string& topology, int lws) {
+  DataParallelOptions o;
+  o.topology = topology;
+  o.local_world_size = lws;
+  o.bucket_cap_mb = 512.0 / (1 << 20);  // 512 bytes: several buckets even for tiny models
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("decentralized training matches the simulator for every topology", "[ddp]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  for (const auto& [name, lws] : topologies_for(n)) {
+    for (bool cnn : {false, true}) {
+      INFO("rank " << rank << " topology " << name << (cnn ? " cnn" : " mlp"));
+      auto factory = optim::adamw(optim::AdamWFactoryOptions{1e-2});
+      auto sched = optim::cosine_with_warmup(20, 3);
+      auto make = [cnn] { return cnn ? make_cnn() : make_mlp(); };
+      auto run = [&] {
+        auto net = make();
+        DecentralizedDataParallel<torch::nn::Sequential> model(net, small_buckets(name, lws),
+                                                                factory, sched, shared_comm());
+        for (int step = 0; step < 20; ++step) {
+          auto b = batch_for(cnn, rank, step);
+          torch::mse_loss(model.forward(b.x), b.y).backward();
+        }
+        model.synchronize();
+        if (cnn || name == "complete") CHECK(model.bucket_count() > 1);
+        return net;
+      };
+      auto net = run();
+      testing::Simulator sim([&] { return make().ptr(); }, n, name, lws, factory, sched);
+      for (int step = 0; step < 20; ++step) {
+        sim.step([&](torch::nn::Module& m, int r, int s) {
+                   auto& seq = static_cast<torch::nn::SequentialImpl&>(m);
+                   auto b = batch_for(cnn, r, s);
+                   return torch::mse_loss(seq.forward(b.x), b.y);
+                 },
+                 step);
+      }
+      check_matches(*net, sim.model(rank), 1e-5);
+      // Two runs are bit-identical.
+      auto again = run();
+      auto p1 = net->parameters();
+      auto p2 = again->parameters();
+      for (size_t k = 0; k < p1.size(); ++k) CHECK(torch::equal(p1[k], p2[k]));
+    }
+  }
+}
+
+TEST_CASE("SGD with momentum and an adaptive factor match the simulator", "[ddp]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  const std::string name = n % 2 == 0 ? "ring" : "complete";
+  optim::SgdFactoryOptions so;
+  so.lr = 0.05;
+  so.momentum = 0.9;
+  so.nesterov = true;
+  so.weight_decay = 1e-3;
+  auto factory = optim::sgd(so);
+  auto net = make_mlp();
+  DecentralizedDataParallel<torch::nn::Sequential> model(net, small_buckets(name, 1), factory,
+                                                          nullptr, shared_comm());
+  model.set_adaptive_factor(0.5);
+  testing::Simulator sim([] { return make_mlp().ptr(); }, n, name, 1, factory);
+  sim.set_adaptive_factor(0.5);
+  for (int step = 0; step < 15; ++step) {
+    auto b = batch_for(false, rank, step);
+    torch::mse_loss(model.forward(b.x), b.y).backward();
+    sim.step([&](torch::nn::Module& m, int r, int s) {
+               auto bb = batch_for(false, r, s);
+               return torch::mse_loss(static_cast<torch::nn::SequentialImpl&>(m).forward(bb.x), bb.y);
+             },
+             step);
+  }
+  check_matches(*net, sim.model(rank), 1e-5);
+  CHECK(model.adaptive_factor() == 0.5);
+  CHECK_THROWS_WITH(model.set_adaptive_factor(1.5), Catch::Contains("a must be in [0, 1], got 1.5"));
+}
+
+TEST_CASE("classic all-reduce equals one process on the union of the batches", "[ddp]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  optim::SgdFactoryOptions so;
+  so.lr = 0.1;
+  so.momentum = 0.9;
+  auto net = make_mlp();
+  DistributedDataParallel<torch::nn::Sequential> model(net, small_buckets("complete", 1),
+                                                       optim::sgd(so), nullptr, shared_comm());
+  auto single = make_mlp();
+  torch::optim::SGD reference(single->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < 10; ++step) {
+    auto b = batch_for(false, rank, step);
+    torch::mse_loss(model.forward(b.x), b.y).backward();
+    std::vector<at::Tensor> xs, ys;
+    for (int r = 0; r < n; ++r) {
+      auto br = batch_for(false, r, step);
+      xs.push_back(br.x);
+      ys.push_back(br.y);
+    }
+    reference.zero_grad();
+    torch::mse_loss(single->forward(torch::cat(xs)), torch::cat(ys)).backward();
+    reference.step();
+  }
+  check_matches(*net, *single, 1e-5);
+  CHECK(model.updates() == 10);
+}
+
+TEST_CASE("four micro-batches under no_sync equal one big-batch update", "[ddp]") {
+  const int rank = comm().rank();
+  auto factory = optim::adam(optim::AdamFactoryOptions{1e-2});
+  for (bool classic : {false, true}) {
+    INFO("rank " << rank << (classic ? " classic" : " gossip"));
+    auto big = make_mlp();
+    auto small = make_mlp();
+    auto opts = small_buckets(comm().size() % 2 == 0 ? "ring" : "complete", 1);
+    std::unique_ptr<DataParallelCore> a, b;
+    auto run_steps = [&](auto& big_model, auto& small_model) {
+      for (int step = 0; step < 5; ++step) {
+        auto batch = batch_for(false, rank, step, 8);
+        torch::mse_loss(big_model.forward(batch.x), batch.y).backward();
+        {
+          auto guard = small_model.no_sync();
+          for (int m = 0; m < 3; ++m) {
+            auto mb_x = batch.x.narrow(0, 2 * m, 2);
+            auto mb_y = batch.y.narrow(0, 2 * m, 2);
+            (torch::mse_loss(small_model.forward(mb_x), mb_y) / 4).backward();
+          }
+        }
+        CHECK(small_model.step() == step);  // accumulation forwards count no step
+        auto mb_x = batch.x.narrow(0, 6, 2);
+        auto mb_y = batch.y.narrow(0, 6, 2);
+        (torch::mse_loss(small_model.forward(mb_x), mb_y) / 4).backward();
+      }
+    };
+    if (classic) {
+      DistributedDataParallel<torch::nn::Sequential> bm(big, opts, factory, nullptr, shared_comm());
+      DistributedDataParallel<torch::nn::Sequential> sm(small, opts, factory, nullptr, shared_comm());
+      run_steps(bm, sm);
+      bm.synchronize();
+      sm.synchronize();
+    } else {
+      DecentralizedDataParallel<torch::nn::Sequential> bm(big, opts, factory, nullptr, shared_comm());
+      DecentralizedDataParallel<torch::nn::Sequential> sm(small, opts, factory, nullptr, shared_comm());
+      run_steps(bm, sm);
+      bm.synchronize();
+      sm.synchronize();
+    }
+    check_matches(*small, *big, 1e-5);
+  }
+}
+
+TEST_CASE("global_avg, revert and consensus distance", "[ddp]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  const std::string name = n % 2 == 0 ? "ring" : "complete";
+  auto factory = optim::adamw(optim::AdamWFactoryOptions{1e-2});
+  auto train = [&](DecentralizedDataParallel<torch::nn::Sequential>& m, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      auto b = batch_for(false, rank, step);
+      torch::mse_loss(m.forward(b.x), b.y).backward();
+    }
+  };
+  auto flat_params = [](torch::nn::Module& m) {
+    std::vector<at::Tensor> v;
+    for (auto& p : m.parameters()) v.push_back(p.detach().flatten());
+    return torch::cat(v);
+  };
+  // Reference run without global_avg.
+  auto ref_net = make_mlp();
+  DecentralizedDataParallel<torch::nn::Sequential> ref(ref_net, small_buckets(name, 1), factory,
+                                                        nullptr, shared_comm());
+  train(ref, 0, 12);
+  ref.synchronize();
+
+  auto net = make_mlp();
+  DecentralizedDataParallel<torch::nn::Sequential> model(net, small_buckets(name, 1), factory,
+                                                          nullptr, shared_comm());
+  train(model, 0, 6);
+  // The values global_avg must produce, from the gathered parameters.
+  model.synchronize();
+  const at::Tensor local = flat_params(*net).clone();
+  at::Tensor gathered = torch::empty({local.numel() * n});
+  comm().allgather(gathered, local)->wait();
+  const at::Tensor mean = gathered.view({n, local.numel()}).mean(0);
+  double expected_consensus = 0;
+  for (int r = 0; r < n; ++r) {
+    expected_consensus += (gathered.view({n, local.numel()})[r] - mean).pow(2).sum().item<double>();
+  }
+  expected_consensus /= n;
+  CHECK(model.consensus_distance() == Approx(expected_consensus).epsilon(1e-4).margin(1e-9));
+  const double d2c = model.global_avg(/*will_revert=*/true, /*return_d2c=*/true);
+  CHECK(d2c == Approx((local - mean).norm().item<double>()).epsilon(1e-4).margin(1e-7));
+  CHECK(relative_error(flat_params(*net), mean) <= 1e-6);
+  CHECK(model.consensus_distance() == Approx(0.0).margin(1e-10));
+  model.revert_global_avg();
+  CHECK(torch::equal(flat_params(*net), local));
+  CHECK_THROWS_WITH(model.revert_global_avg(), Catch::Contains("no backup to restore"));
+  train(model, 6, 12);
+  model.synchronize();
+  // With the revert, training went on bit for bit as if global_avg had never been called.
+  CHECK(torch::equal(flat_params(*net), flat_params(*ref_net)));
+  // Without revert, training continues from the mean.
+  model.global_avg(/*will_revert=*/false);
+  const at::Tensor averaged = flat_params(*net).clone();
+  at::Tensor all = torch::empty({averaged.numel() * n});
+  comm().allgather(all, averaged)->wait();
+  for (int r = 0; r < n; ++r) {
+    CHECK(torch::equal(all.view({n, averaged.numel()})[r], averaged));
+  }
+  train(model, 12, 13);
+  model.synchronize();
+  CHECK(model.updates() == 13);
+}
+
+namespace {
+
+// Layer `skip` is used only when the batch's first input is positive (data dependent, so it
+// differs across ranks and steps); `never` is never used.
+struct BranchNetImpl : torch::nn::Module {
+  BranchNetImpl() {
+    torch::manual_seed(44);
+    a = register_module("a", torch::nn::Linear(8, 8));
+    skip = register_module("skip", torch::nn::Linear(8, 8));
+    never = register_module("never", torch::nn::Linear(8, 8));
+    out = register_module("out", torch::nn::Linear(8, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = torch::tanh(a->forward(x));
+    if (x[0][0].item<float>() > 0) h = torch::tanh(skip->forward(h));
+    return out->forward(h);
+  }
+  torch::nn::Linear a{nullptr}, skip{nullptr}, never{nullptr}, out{nullptr};
+};
+TORCH_MODULE(BranchNet);
+
+}  // namespace
+
+TEST_CASE("unused parameters: a data-dependent branch and a layer never used", "[ddp]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  auto factory = optim::adam(optim::AdamFactoryOptions{1e-2});
+  // Step 0 uses `skip` on every rank (x[0][0] forced positive), so it is bucketed.
+  auto input = [](int r, int s) {
+    auto b = batch_for(false, r, s);
+    if (s == 0) b.x[0][0] = 1.0;
+    return b;
+  };
+  BranchNet net;
+  auto opts = small_buckets(n % 2 == 0 ? "ring" : "complete", 1);
+  DecentralizedDataParallel<BranchNet> model(net, opts, factory, nullptr, shared_comm());
+  for (int step = 0; step < 12; ++step) {
+    auto b = input(rank, step);
+    torch::mse_loss(model.forward(b.x), b.y).backward();
+  }
+  model.synchronize();
+  CHECK(model.unused_parameters() == std::vector<std::string>{"never.weight", "never.bias"});
+  testing::Simulator sim([] { return BranchNet().ptr(); }, n, opts.topology, 1, factory);
+  for (int step = 0; step < 12; ++step) {
+    sim.step([&](torch::nn::Module& m, int r, int s) {
+               auto b = input(r, s);
+               return torch::mse_loss(static_cast<BranchNetImpl&>(m).forward(b.x), b.y);
+             },
+             step);
+  }
+  // The never-used layer keeps its initial value everywhere; in the simulator its zero
+  // gradient moves nothing but weight decay, so compare the trained layers only.
+  auto mine = net->named_parameters();
+  auto ref = sim.model(rank).named_parameters();
+  for (const auto& p : mine) {
+    if (p.key().rfind("never", 0) == 0) continue;
+    INFO("rank " << rank << " parameter " << p.key());
+    CHECK(relative_error(p.value(), ref[p.key()]) <= 1e-5);
+  }
+  BranchNet fresh;
+  CHECK(torch::equal(net->never->weight, fresh->never->weight));
+}
+
+TEST_CASE("misuse gets one clear error and no hang", "[ddp]") {
+  const int n = comm().size();
+  auto factory = optim::adamw();
+  auto make = [&](DataParallelOptions o, optim::OptimFn f = nullptr) {
+    return std::make_unique<DecentralizedDataParallel<torch::nn::Sequential>>(
+        make_mlp(), o, f ? f : factory, nullptr, shared_comm());
+  };
+  DataParallelOptions o;
+  o.topology = "nosuch";
+  CHECK_THROWS_WITH(make(o), Catch::Contains("unknown topology 'nosuch'"));
+  if (n % 2 == 1 && n > 1) {
+    o.topology = "ring";
+    CHECK_THROWS_WITH(make(o), Catch::Contains("ring topology needs an even world size, got " + std::to_string(n)));
+  }
+  o = DataParallelOptions();
+  o.bucket_cap_mb = 0;
+  CHECK_THROWS_WITH(make(o), Catch::Contains("bucket_cap_mb must be > 0, got 0"));
+  o = DataParallelOptions();
+  o.grad_clip_norm = -1;
+  CHECK_THROWS_WITH(make(o), Catch::Contains("grad_clip_norm must be >= 0"));
+
+  // Factories that return null or an optimizer over other tensors fail at the end of the
+  // first backward, on every rank alike.
+  auto null_factory = [](const NamedParams&) { return std::unique_ptr<torch::optim::Optimizer>(); };
+  {
+    auto model = make(DataParallelOptions(), null_factory);
+    auto b = batch_for(false, comm().rank(), 0);
+    CHECK_THROWS_WITH(torch::mse_loss(model->forward(b.x), b.y).backward(),
+                      Catch::Contains("the optimizer factory returned null"));
+  }
+  auto other = torch::zeros({3}, torch::requires_grad());
+  auto other_factory = [&](const NamedParams&) -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::SGD>(std::vector<at::Tensor>{other}, torch::optim::SGDOptions(0.1));
+  };
+  {
+    auto model = make(DataParallelOptions(), other_factory);
+    auto b = batch_for(false, comm().rank(), 0);
+    CHECK_THROWS_WITH(torch::mse_loss(model->forward(b.x), b.y).backward(),
+                      Catch::Contains("not the parameters it was given"));
+  }
+  {
+    auto model = make(DataParallelOptions());
+    CHECK_THROWS_WITH(model->revert_global_avg(), Catch::Contains("no backup to restore"));
+    CHECK_THROWS_WITH(model->get_lr(), Catch::Contains("no optimizer yet"));
+    auto b = batch_for(false, comm().rank(), 0);
+    auto loss = torch::mse_loss(model->forward(b.x), b.y);
+    loss.backward({}, /*retain_graph=*/true);
+    CHECK(model->get_lr() == Approx(1e-3));
+    CHECK_THROWS_WITH(loss.backward(), Catch::Contains("a second backward within one step"));
+    model->synchronize();
+  }
+  // Models that differ across ranks.
+  if (n > 1) {
+    torch::manual_seed(1);
+    auto net = comm().rank() == 1 ? torch::nn::Sequential(torch::nn::Linear(8, 5))
+                                  : torch::nn::Sequential(torch::nn::Linear(8, 4));
+    CHECK_THROWS_WITH(
+        DecentralizedDataParallel<torch::nn::Sequential>(net, DataParallelOptions(), factory,
+                                                         nullptr, shared_comm()),
+        Catch::Contains("the model differs across ranks"));
+  }
+}
+
+TEST_CASE("the wrapper is the module: names, parameters, buffers, train and eval", "[ddp]") {
+  auto net = make_cnn();
+  DecentralizedDataParallel<torch::nn::Sequential> model(net, DataParallelOptions(),
+                                                          optim::adamw(), nullptr, shared_comm());
+  auto mine = model.named_parameters();
+  auto theirs = net->named_parameters();
+  REQUIRE(mine.size() == theirs.size());
+  for (const auto& p : theirs) {
+    CHECK(mine[p.key()].is_same(p.value()));
+  }
+  CHECK(model.buffers().size() == net->buffers().size());
+  model.eval();
+  CHECK_FALSE(net->is_training());
+  auto b = batch_for(true, comm().rank(), 0);
+  torch::NoGradGuard no_grad;
+  model.forward(b.x);
+  CHECK(model.step() == 0);  // eval forwards count no step
+  model.train();
+  CHECK(net->is_training());
+}
