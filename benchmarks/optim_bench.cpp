@@ -6,9 +6,9 @@
 //
 //   build/bin/optim_bench [--iters 20] [--threads 1] [--json out.json]
 #include <ATen/Parallel.h>
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <torch/torch.h>
+#include <CLI/CLI.hpp>
 
 #include <nlohmann/json.hpp>
 
@@ -69,7 +69,8 @@ ParamSet make_set(const std::vector<std::vector<int64_t>>& shapes, bool flat) {
   std::vector<int64_t> offsets;
   for (const auto& sh : shapes) {
     int64_t n = 1;
-    for (auto d : sh) n *= d;
+    for (auto d : sh)
+      n *= d;
     offsets.push_back(total);
     total += (n + 31) / 32 * 32;
   }
@@ -82,7 +83,8 @@ ParamSet make_set(const std::vector<std::vector<int64_t>>& shapes, bool flat) {
     at::Tensor p;
     if (flat) {
       int64_t n = 1;
-      for (auto d : shapes[i]) n *= d;
+      for (auto d : shapes[i])
+        n *= d;
       p = torch::empty({0});
       p.set_data(set.param_block.narrow(0, offsets[i], n).view(shapes[i]));
       p.requires_grad_(true);
@@ -131,11 +133,13 @@ int main(int argc, char** argv) {
   int64_t numel = 0;
   for (const auto& sh : shapes) {
     int64_t n = 1;
-    for (auto d : sh) n *= d;
+    for (auto d : sh)
+      n *= d;
     numel += n;
   }
-  fmt::print("# optim_bench: {} parameters in {} tensors, float32, {} thread(s), median of {} steps\n",
-             numel, shapes.size(), threads, iters);
+  fmt::print(
+      "# optim_bench: {} parameters in {} tensors, float32, {} thread(s), median of {} steps\n",
+      numel, shapes.size(), threads, iters);
 
   // Memory-bandwidth baseline: copy a tensor as large as the parameters (read + write).
   auto src = torch::randn({numel});
@@ -149,9 +153,13 @@ int main(int argc, char** argv) {
     const double gbps = bytes_per_param * numel / ms / 1e6;
     fmt::print("{:<34} {:>9.2f} ms  {:>7.2f} GB/s  {:>5.1f}% of copy", name, ms, gbps,
                100.0 * gbps / copy_gbps);
-    if (base_ms > 0) fmt::print("  {:>5.2f}x vs torch::optim", base_ms / ms);
+    if (base_ms > 0)
+      fmt::print("  {:>5.2f}x vs torch::optim", base_ms / ms);
     fmt::print("\n");
-    rows.push_back({{"case", name}, {"ms", ms}, {"GBps", gbps}, {"copy_fraction", gbps / copy_gbps},
+    rows.push_back({{"case", name},
+                    {"ms", ms},
+                    {"GBps", gbps},
+                    {"copy_fraction", gbps / copy_gbps},
                     {"speedup_vs_torch", base_ms > 0 ? base_ms / ms : 0.0}});
   };
   // Bytes touched per parameter and step (float32): AdamW reads p, g, m, v and writes
@@ -163,15 +171,17 @@ int main(int argc, char** argv) {
     const double base = time_ms([&] { theirs.step(); }, iters);
     report("torch::optim::AdamW (per tensor)", base, 28, 0);
     auto per = make_set(shapes, false);
-    decent_dp::optim::AdamW ours_per(per.params, decent_dp::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    decent_dp::optim::AdamW ours_per(per.params,
+                                     decent_dp::optim::AdamWOptions(1e-3).weight_decay(0.1));
     report("decent_dp AdamW (per tensor)", time_ms([&] { ours_per.step(); }, iters), 28, base);
     auto flat = make_set(shapes, true);
-    decent_dp::optim::AdamW ours(flat.params, decent_dp::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    decent_dp::optim::AdamW ours(flat.params,
+                                 decent_dp::optim::AdamWOptions(1e-3).weight_decay(0.1));
     const double fused = time_ms([&] { ours.step(); }, iters);
     report("decent_dp AdamW (flat)", fused, 28, base);
     auto flat2 = make_set(shapes, true);
-    decent_dp::optim::AccumAdamW accum(flat2.params,
-                                       decent_dp::optim::AccumAdamWOptions(1e-3).weight_decay(0.1).accum_iter(4));
+    decent_dp::optim::AccumAdamW accum(
+        flat2.params, decent_dp::optim::AccumAdamWOptions(1e-3).weight_decay(0.1).accum_iter(4));
     const double accum_ms = time_ms([&] { accum.step(); }, iters);
     report("decent_dp AccumAdamW (flat)", accum_ms, 36, base);
     fmt::print("AccumAdamW / fused AdamW time: {:.2f}x\n", accum_ms / fused);

@@ -31,7 +31,8 @@ std::string shape_string(const at::Tensor& t) {
 int64_t signature_of(const std::string& name, const at::Tensor& t) {
   uint64_t h = std::hash<std::string>{}(name);
   auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ULL; };
-  for (int64_t s : t.sizes()) mix(static_cast<uint64_t>(s));
+  for (int64_t s : t.sizes())
+    mix(static_cast<uint64_t>(s));
   mix(static_cast<uint64_t>(t.scalar_type()));
   mix(static_cast<uint64_t>(t.requires_grad()));
   return static_cast<int64_t>(h);
@@ -79,11 +80,11 @@ std::shared_ptr<Communicator> default_communicator() {
 struct DataParallelCore::Bucket {
   BucketSpec spec;
   BucketStorage storage;
-  std::vector<at::Tensor> params;          // the model's parameters in this bucket
+  std::vector<at::Tensor> params;            // the model's parameters in this bucket
   std::vector<at::Tensor> optimizer_params;  // what the optimizer steps (== params in view mode)
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<torch::optim::LRScheduler> scheduler;
-  std::shared_ptr<Work> work;               // exchange in flight (or done, not yet applied)
+  std::shared_ptr<Work> work;              // exchange in flight (or done, not yet applied)
   const topology::Group* group = nullptr;  // the group of that exchange
 };
 
@@ -97,8 +98,8 @@ DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
       scheduler_fn_(std::move(scheduler_fn)),
       comm_(comm ? std::move(comm) : default_communicator()),
       mode_(mode) {
-  const char* who = mode_ == ExchangeMode::kGossip ? "DecentralizedDataParallel"
-                                                   : "DistributedDataParallel";
+  const char* who =
+      mode_ == ExchangeMode::kGossip ? "DecentralizedDataParallel" : "DistributedDataParallel";
   DECENT_DP_CHECK_ARG(module_ != nullptr, who, ": module must not be null");
   DECENT_DP_CHECK_ARG(static_cast<bool>(optim_fn_), who,
                       ": an optimizer factory is required (e.g. decent_dp::optim::adamw())");
@@ -110,11 +111,11 @@ DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
                       ": local_world_size must be >= 0 (0: found through MPI), got ",
                       options_.local_world_size);
   const int n = comm_->size();
-  for (int r = 0; r < n; ++r) all_ranks_.push_back(r);
+  for (int r = 0; r < n; ++r)
+    all_ranks_.push_back(r);
   const int lws = options_.local_world_size > 0 ? options_.local_world_size : comm_->local_size();
-  topology_ = topology::make_topology(mode_ == ExchangeMode::kGossip ? options_.topology
-                                                                      : std::string("complete"),
-                                      n, lws);
+  topology_ = topology::make_topology(
+      mode_ == ExchangeMode::kGossip ? options_.topology : std::string("complete"), n, lws);
 
   // The wrapper exposes the wrapped module's parameters and buffers under the same names.
   for (const auto& child : module_->named_children()) {
@@ -147,8 +148,8 @@ DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
     }
   }
   DECENT_DP_CHECK_ARG(!hooked.empty(), who, ": the module has no parameter that requires grad");
-  hooks_ = std::make_unique<GradReadyHooks>(
-      hooked, [this](size_t k) { on_grad_ready(hooked_[k]); });
+  hooks_ =
+      std::make_unique<GradReadyHooks>(hooked, [this](size_t k) { on_grad_ready(hooked_[k]); });
   ready_.assign(params_.size(), 0);
   bucket_of_.assign(params_.size(), kNotBucketed);
   if (comm_->rank() == 0) {
@@ -177,37 +178,41 @@ DataParallelCore::~DataParallelCore() {
 
 void DataParallelCore::check_same_model() {
   std::vector<std::pair<std::string, at::Tensor>> items;
-  for (size_t i = 0; i < params_.size(); ++i) items.emplace_back(names_[i], params_[i]);
-  for (const auto& b : module_->named_buffers()) items.emplace_back("buffer " + b.key(), b.value());
+  for (size_t i = 0; i < params_.size(); ++i)
+    items.emplace_back(names_[i], params_[i]);
+  for (const auto& b : module_->named_buffers())
+    items.emplace_back("buffer " + b.key(), b.value());
   const auto counts = allgather_scalar(*comm_, static_cast<int64_t>(items.size()));
   for (int r = 0; r < comm_->size(); ++r) {
     if (counts[r] != counts[0]) {
-      throw InvalidArgument(detail::cat(
-          "the model differs across ranks: rank 0 has ", counts[0],
-          " parameters and buffers, rank ", r, " has ", counts[r]));
+      throw InvalidArgument(detail::cat("the model differs across ranks: rank 0 has ", counts[0],
+                                        " parameters and buffers, rank ", r, " has ", counts[r]));
     }
   }
   std::vector<int64_t> sig;
-  for (const auto& [name, t] : items) sig.push_back(signature_of(name, t));
+  for (const auto& [name, t] : items)
+    sig.push_back(signature_of(name, t));
   const auto rows = allgather_vector(*comm_, sig);
   for (size_t k = 0; k < items.size(); ++k) {
     for (int r = 1; r < comm_->size(); ++r) {
       if (rows[r][k] != rows[0][k]) {
-        throw InvalidArgument(detail::cat(
-            "the model differs across ranks: entry ", k, " ('", items[k].first, "', ",
-            shape_string(items[k].second), " on rank ", comm_->rank(),
-            ") does not match between rank 0 and rank ", r,
-            " (names, shapes, dtypes and order must be identical)"));
+        throw InvalidArgument(detail::cat("the model differs across ranks: entry ", k, " ('",
+                                          items[k].first, "', ", shape_string(items[k].second),
+                                          " on rank ", comm_->rank(),
+                                          ") does not match between rank 0 and rank ", r,
+                                          " (names, shapes, dtypes and order must be identical)"));
       }
     }
   }
 }
 
 void DataParallelCore::broadcast_initial_state() {
-  if (comm_->size() == 1) return;
+  if (comm_->size() == 1)
+    return;
   torch::NoGradGuard no_grad;
   std::vector<at::Tensor> tensors = params_;
-  for (const auto& b : module_->named_buffers()) tensors.push_back(b.value());
+  for (const auto& b : module_->named_buffers())
+    tensors.push_back(b.value());
   std::vector<std::pair<at::Tensor, at::Tensor>> staged;  // (original, contiguous copy)
   std::vector<std::shared_ptr<Work>> works;
   for (const auto& t : tensors) {
@@ -215,9 +220,11 @@ void DataParallelCore::broadcast_initial_state() {
     staged.emplace_back(t, c);
     works.push_back(comm_->broadcast(c, 0));
   }
-  for (auto& w : works) w->wait();
+  for (auto& w : works)
+    w->wait();
   for (auto& [orig, c] : staged) {
-    if (!c.is_same(orig) && c.data_ptr() != orig.data_ptr()) orig.detach().copy_(c);
+    if (!c.is_same(orig) && c.data_ptr() != orig.data_ptr())
+      orig.detach().copy_(c);
   }
 }
 
@@ -226,7 +233,9 @@ void DataParallelCore::train(bool on) {
   module_->train(on);
 }
 
-void DataParallelCore::set_accumulate_grad(bool on) { accumulate_ = on; }
+void DataParallelCore::set_accumulate_grad(bool on) {
+  accumulate_ = on;
+}
 
 void DataParallelCore::before_forward() {
   if (!is_training() || accumulate_ || !torch::autograd::GradMode::is_enabled()) {
@@ -262,18 +271,20 @@ void DataParallelCore::on_grad_ready(size_t i) {
     return;
   }
   const size_t b = bucket_of_[i];
-  if (b == kNotBucketed) return;
+  if (b == kNotBucketed)
+    return;
   Bucket& bucket = buckets_[b];
   // The gradient must live in the bucket's gradient block; an optimizer's or module's
   // zero_grad(set_to_none) makes autograd allocate a fresh one: move it in.
   if (options_.param_as_bucket_view) {
-    const size_t k = static_cast<size_t>(
-        std::find(bucket.spec.params.begin(), bucket.spec.params.end(), i) -
-        bucket.spec.params.begin());
+    const size_t k =
+        static_cast<size_t>(std::find(bucket.spec.params.begin(), bucket.spec.params.end(), i) -
+                            bucket.spec.params.begin());
     const at::Tensor& view = bucket.storage.grad_views[k];
     at::Tensor p = params_[i];
     if (!p.grad().is_same(view)) {
-      if (p.grad().defined()) view.copy_(p.grad());
+      if (p.grad().defined())
+        view.copy_(p.grad());
       p.mutable_grad() = view;
     }
   }
@@ -320,11 +331,12 @@ void DataParallelCore::build_buckets() {
   const auto counts = allgather_scalar(*comm_, static_cast<int64_t>(ready_order_.size()));
   for (int r = 0; r < comm_->size(); ++r) {
     if (counts[r] != counts[0]) {
-      throw Error(detail::cat("ranks disagree on the parameters that received gradients in the "
-                              "first iteration: rank 0 saw ",
-                              counts[0], ", rank ", r, " saw ", counts[r],
-                              "; the first iteration must use every parameter the same way on "
-                              "every rank"));
+      throw Error(
+          detail::cat("ranks disagree on the parameters that received gradients in the "
+                      "first iteration: rank 0 saw ",
+                      counts[0], ", rank ", r, " saw ", counts[r],
+                      "; the first iteration must use every parameter the same way on "
+                      "every rank"));
     }
   }
   std::vector<int64_t> order;
@@ -339,14 +351,15 @@ void DataParallelCore::build_buckets() {
         const size_t pos = k / 2;
         throw Error(detail::cat("gradients became ready in a different order on rank ", r,
                                 " than on rank 0: position ", pos, " is parameter #",
-                                rows[r][2 * pos], " on rank ", r, " and #", rows[0][2 * pos],
-                                " ('", names_[rows[0][2 * pos]], "') on rank 0"));
+                                rows[r][2 * pos], " on rank ", r, " and #", rows[0][2 * pos], " ('",
+                                names_[rows[0][2 * pos]], "') on rank 0"));
       }
     }
   }
   // Parameters that never received a gradient are left out, with one warning each.
   std::vector<char> seen(params_.size(), 0);
-  for (size_t i : ready_order_) seen[i] = 1;
+  for (size_t i : ready_order_)
+    seen[i] = 1;
   for (size_t i : hooked_) {
     if (!seen[i]) {
       unused_.push_back(names_[i]);
@@ -373,8 +386,7 @@ void DataParallelCore::build_buckets() {
       bucket.params.push_back(params_[i]);
       bucket_of_[i] = b;
     }
-    bucket.storage =
-        make_bucket_storage(bucket.spec, bucket.params, options_.param_as_bucket_view);
+    bucket.storage = make_bucket_storage(bucket.spec, bucket.params, options_.param_as_bucket_view);
     NamedParams named;
     if (options_.param_as_bucket_view) {
       bucket.optimizer_params = bucket.params;
@@ -387,7 +399,8 @@ void DataParallelCore::build_buckets() {
         shadow.mutable_grad() = bucket.storage.grad_views[k];
         bucket.optimizer_params.push_back(shadow);
         const at::Tensor& g = bucket.params[k].grad();
-        if (g.defined()) bucket.storage.grad_views[k].copy_(g);
+        if (g.defined())
+          bucket.storage.grad_views[k].copy_(g);
       }
     }
     for (size_t k = 0; k < bucket.params.size(); ++k) {
@@ -400,11 +413,12 @@ void DataParallelCore::build_buckets() {
     size_t covered = 0;
     for (const auto& group : bucket.optimizer->param_groups()) {
       for (const auto& p : group.params()) {
-        const bool ours = std::any_of(bucket.optimizer_params.begin(),
-                                      bucket.optimizer_params.end(),
-                                      [&](const at::Tensor& q) { return q.is_same(p); });
-        DECENT_DP_CHECK_ARG(ours, "the optimizer factory returned an optimizer over tensors "
-                                  "that are not the parameters it was given (bucket ",
+        const bool ours =
+            std::any_of(bucket.optimizer_params.begin(), bucket.optimizer_params.end(),
+                        [&](const at::Tensor& q) { return q.is_same(p); });
+        DECENT_DP_CHECK_ARG(ours,
+                            "the optimizer factory returned an optimizer over tensors "
+                            "that are not the parameters it was given (bucket ",
                             b, ")");
         ++covered;
       }
@@ -433,15 +447,18 @@ void DataParallelCore::step_bucket(Bucket& bucket) {
   if (options_.grad_clip_norm > 0) {
     const double norm = bucket.storage.grads.norm().item<double>();
     const double coef = options_.grad_clip_norm / (norm + 1e-6);
-    if (coef < 1.0) bucket.storage.grads.mul_(coef);
+    if (coef < 1.0)
+      bucket.storage.grads.mul_(coef);
   }
   bucket.optimizer->step();
   bucket.storage.grads.zero_();
-  if (bucket.scheduler) bucket.scheduler->step();
+  if (bucket.scheduler)
+    bucket.scheduler->step();
   if (!options_.param_as_bucket_view) {
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       bucket.params[k].detach().copy_(bucket.storage.param_views[k]);
-      if (bucket.params[k].grad().defined()) bucket.params[k].mutable_grad().zero_();
+      if (bucket.params[k].grad().defined())
+        bucket.params[k].mutable_grad().zero_();
     }
   }
 }
@@ -454,7 +471,8 @@ void DataParallelCore::process_bucket(size_t b) {
     for (size_t k = 0; k < bucket.params.size(); ++k) {
       bucket.storage.param_views[k].copy_(bucket.params[k].detach());
       const at::Tensor& g = bucket.params[k].grad();
-      if (g.defined()) bucket.storage.grad_views[k].copy_(g);
+      if (g.defined())
+        bucket.storage.grad_views[k].copy_(g);
     }
   }
   if (mode_ == ExchangeMode::kAllReduce) {
@@ -482,8 +500,10 @@ void DataParallelCore::process_bucket(size_t b) {
     }
     at::Tensor& x = bucket.storage.params;
     const double x_coef = (1 - a) + a * self_coef;
-    if (x_coef != 1.0) x.mul_(x_coef);
-    if (a * mean_coef != 0.0) x.add_(bucket.storage.comm, a * mean_coef);
+    if (x_coef != 1.0)
+      x.mul_(x_coef);
+    if (a * mean_coef != 0.0)
+      x.add_(bucket.storage.comm, a * mean_coef);
     bucket.work.reset();
   }
   step_bucket(bucket);
@@ -500,7 +520,8 @@ void DataParallelCore::step_reduced_buckets(bool block) {
   size_t done = 0;
   for (; done < awaiting_step_.size(); ++done) {
     Bucket& bucket = buckets_[awaiting_step_[done]];
-    if (!block && !bucket.work->is_completed()) break;
+    if (!block && !bucket.work->is_completed())
+      break;
     bucket.work->wait();
     bucket.work.reset();
     step_bucket(bucket);
@@ -510,7 +531,8 @@ void DataParallelCore::step_reduced_buckets(bool block) {
 
 void DataParallelCore::synchronize() {
   for (auto& b : buckets_) {
-    if (b.work) b.work->wait();
+    if (b.work)
+      b.work->wait();
   }
 }
 
@@ -521,29 +543,27 @@ double DataParallelCore::get_lr() const {
   return buckets_[0].optimizer->param_groups()[0].options().get_lr();
 }
 
-size_t DataParallelCore::bucket_count() const { return buckets_.size(); }
+size_t DataParallelCore::bucket_count() const {
+  return buckets_.size();
+}
 
 const BucketSpec& DataParallelCore::bucket_spec(size_t b) const {
-  DECENT_DP_CHECK_ARG(b < buckets_.size(), "bucket index must be < ", buckets_.size(), ", got ",
-                      b);
+  DECENT_DP_CHECK_ARG(b < buckets_.size(), "bucket index must be < ", buckets_.size(), ", got ", b);
   return buckets_[b].spec;
 }
 
 const BucketStorage& DataParallelCore::bucket_storage(size_t b) const {
-  DECENT_DP_CHECK_ARG(b < buckets_.size(), "bucket index must be < ", buckets_.size(), ", got ",
-                      b);
+  DECENT_DP_CHECK_ARG(b < buckets_.size(), "bucket index must be < ", buckets_.size(), ", got ", b);
   return buckets_[b].storage;
 }
 
 torch::optim::Optimizer& DataParallelCore::optimizer(size_t b) {
-  DECENT_DP_CHECK_ARG(b < buckets_.size(), "bucket index must be < ", buckets_.size(), ", got ",
-                      b);
+  DECENT_DP_CHECK_ARG(b < buckets_.size(), "bucket index must be < ", buckets_.size(), ", got ", b);
   return *buckets_[b].optimizer;
 }
 
 torch::optim::LRScheduler* DataParallelCore::scheduler(size_t b) {
-  DECENT_DP_CHECK_ARG(b < buckets_.size(), "bucket index must be < ", buckets_.size(), ", got ",
-                      b);
+  DECENT_DP_CHECK_ARG(b < buckets_.size(), "bucket index must be < ", buckets_.size(), ", got ", b);
   return buckets_[b].scheduler.get();
 }
 
@@ -558,41 +578,49 @@ double DataParallelCore::global_avg_impl(bool will_revert, bool return_d2c) {
   std::vector<at::Tensor> blocks;
   for (auto& b : buckets_) {
     if (!options_.param_as_bucket_view) {
-      for (size_t k = 0; k < b.params.size(); ++k) b.storage.param_views[k].copy_(b.params[k].detach());
+      for (size_t k = 0; k < b.params.size(); ++k)
+        b.storage.param_views[k].copy_(b.params[k].detach());
     }
     blocks.push_back(b.storage.params);
   }
   std::vector<at::Tensor> float_buffers;
   if (options_.sync_buffers_in_global_avg) {
     for (const auto& buf : module_->named_buffers()) {
-      if (buf.value().is_floating_point()) float_buffers.push_back(buf.value());
+      if (buf.value().is_floating_point())
+        float_buffers.push_back(buf.value());
     }
   }
   backup_params_.clear();
   backup_buffers_.clear();
   std::vector<at::Tensor> local;
   if (will_revert || return_d2c) {
-    for (auto& x : blocks) local.push_back(x.clone());
+    for (auto& x : blocks)
+      local.push_back(x.clone());
   }
   has_backup_ = will_revert;
   if (will_revert) {
     backup_params_ = local;
-    for (auto& buf : float_buffers) backup_buffers_.push_back(buf.clone());
+    for (auto& buf : float_buffers)
+      backup_buffers_.push_back(buf.clone());
   }
   std::vector<std::shared_ptr<Work>> works;
-  for (auto& x : blocks) works.push_back(comm_->allreduce(x, all_ranks_, ReduceOp::kAvg));
+  for (auto& x : blocks)
+    works.push_back(comm_->allreduce(x, all_ranks_, ReduceOp::kAvg));
   std::vector<at::Tensor> staged;
   for (auto& buf : float_buffers) {
     staged.push_back(buf.contiguous());
     works.push_back(comm_->allreduce(staged.back(), all_ranks_, ReduceOp::kAvg));
   }
-  for (auto& w : works) w->wait();
+  for (auto& w : works)
+    w->wait();
   for (size_t i = 0; i < float_buffers.size(); ++i) {
-    if (!staged[i].is_same(float_buffers[i])) float_buffers[i].copy_(staged[i]);
+    if (!staged[i].is_same(float_buffers[i]))
+      float_buffers[i].copy_(staged[i]);
   }
   for (auto& b : buckets_) {
     if (!options_.param_as_bucket_view) {
-      for (size_t k = 0; k < b.params.size(); ++k) b.params[k].detach().copy_(b.storage.param_views[k]);
+      for (size_t k = 0; k < b.params.size(); ++k)
+        b.params[k].detach().copy_(b.storage.param_views[k]);
     }
     if (!will_revert) {
       b.work.reset();  // training continues from the mean: pending exchanges are dropped
@@ -623,7 +651,8 @@ void DataParallelCore::revert_global_avg_impl() {
   if (options_.sync_buffers_in_global_avg) {
     size_t i = 0;
     for (const auto& buf : module_->named_buffers()) {
-      if (buf.value().is_floating_point()) buf.value().copy_(backup_buffers_[i++]);
+      if (buf.value().is_floating_point())
+        buf.value().copy_(backup_buffers_[i++]);
     }
   }
   backup_params_.clear();
@@ -638,13 +667,15 @@ double DataParallelCore::consensus_distance_impl() {
   for (auto& b : buckets_) {
     at::Tensor x = b.storage.params;
     if (!options_.param_as_bucket_view) {
-      for (size_t k = 0; k < b.params.size(); ++k) b.storage.param_views[k].copy_(b.params[k].detach());
+      for (size_t k = 0; k < b.params.size(); ++k)
+        b.storage.param_views[k].copy_(b.params[k].detach());
     }
     locals.push_back(x);
     means.push_back(x.clone());
     works.push_back(comm_->allreduce(means.back(), all_ranks_, ReduceOp::kAvg));
   }
-  for (auto& w : works) w->wait();
+  for (auto& w : works)
+    w->wait();
   double d2 = 0.0;
   for (size_t i = 0; i < locals.size(); ++i) {
     d2 += locals[i].to(at::kDouble).sub(means[i].to(at::kDouble)).pow(2).sum().item<double>();

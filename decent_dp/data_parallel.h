@@ -56,8 +56,8 @@ std::shared_ptr<Communicator> default_communicator();
 class DataParallelCore : public torch::nn::Module {
  public:
   DataParallelCore(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options,
-                   OptimFn optim_fn, LrSchedulerFn scheduler_fn,
-                   std::shared_ptr<Communicator> comm, ExchangeMode mode);
+                   OptimFn optim_fn, LrSchedulerFn scheduler_fn, std::shared_ptr<Communicator> comm,
+                   ExchangeMode mode);
   ~DataParallelCore() override;
 
   DataParallelCore(const DataParallelCore&) = delete;
@@ -78,7 +78,8 @@ class DataParallelCore : public torch::nn::Module {
       core.set_accumulate_grad(true);
     }
     ~NoSyncGuard() {
-      if (core_ != nullptr) core_->set_accumulate_grad(previous_);
+      if (core_ != nullptr)
+        core_->set_accumulate_grad(previous_);
     }
     NoSyncGuard(NoSyncGuard&& other) noexcept : core_(other.core_), previous_(other.previous_) {
       other.core_ = nullptr;

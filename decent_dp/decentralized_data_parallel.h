@@ -5,7 +5,8 @@
 //   decent_dp::DataParallelOptions options;
 //   options.topology = "exp";
 //   decent_dp::DecentralizedDataParallel<Net> model(net, options, decent_dp::optim::adamw(),
-//                                                   decent_dp::optim::cosine_with_warmup(1000, 100));
+//                                                   decent_dp::optim::cosine_with_warmup(1000,
+//                                                   100));
 //   for (auto& batch : loader) {
 //     auto loss = loss_fn(model.forward(batch.data), batch.target);
 //     loss.backward();   // each bucket takes its optimizer step and starts its exchange here

@@ -35,8 +35,7 @@ GradReadyHooks::GradReadyHooks(const std::vector<at::Tensor>& params,
                                std::function<void(size_t)> on_ready) {
   for (size_t i = 0; i < params.size(); ++i) {
     DECENT_DP_CHECK_ARG(params[i].requires_grad() && params[i].is_leaf(),
-                        "gradient hooks need leaf tensors that require grad (parameter ", i,
-                        ")");
+                        "gradient hooks need leaf tensors that require grad (parameter ", i, ")");
     auto entry = std::make_unique<Entry>();
     entry->accumulator = torch::autograd::impl::grad_accumulator(params[i]);
     entry->key = entry->accumulator->add_post_hook(

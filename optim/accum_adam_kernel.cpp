@@ -129,11 +129,10 @@ void accum_adam_generic(const at::Tensor& param, const at::Tensor& grad, const a
 void accum_adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                      const at::Tensor& exp_avg_sq, const at::Tensor& accum,
                      const AccumAdamStep& s) {
-  const bool cpu_contiguous = param.device().is_cpu() && param.is_contiguous() &&
-                              grad.is_contiguous() && exp_avg.is_contiguous() &&
-                              exp_avg_sq.is_contiguous() && accum.is_contiguous() &&
-                              grad.scalar_type() == param.scalar_type() &&
-                              exp_avg.scalar_type() == param.scalar_type();
+  const bool cpu_contiguous =
+      param.device().is_cpu() && param.is_contiguous() && grad.is_contiguous() &&
+      exp_avg.is_contiguous() && exp_avg_sq.is_contiguous() && accum.is_contiguous() &&
+      grad.scalar_type() == param.scalar_type() && exp_avg.scalar_type() == param.scalar_type();
   if (!cpu_contiguous) {
     accum_adam_generic(param, grad, exp_avg, exp_avg_sq, accum, s);
     return;

@@ -21,8 +21,7 @@ struct AccumAdamStep {
 // contiguous take a single vectorized, multi-threaded pass; other tensors (CUDA included)
 // are updated with ATen operations, which compute the same formula.
 void accum_adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                     const at::Tensor& exp_avg_sq, const at::Tensor& accum,
-                     const AccumAdamStep& s);
+                     const at::Tensor& exp_avg_sq, const at::Tensor& accum, const AccumAdamStep& s);
 
 }  // namespace optim
 }  // namespace decent_dp

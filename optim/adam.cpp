@@ -8,8 +8,8 @@
 
 #include <cmath>
 
-#include "topology/errors.h"
 #include "optim/accum_adam_kernel.h"
+#include "topology/errors.h"
 
 namespace decent_dp {
 namespace optim {
@@ -62,16 +62,16 @@ constexpr const char* variant_name(AdamVariant v) {
 
 bool fused_kernel_supports(const at::Tensor& p, const at::Tensor& g) {
   const auto dtype = p.scalar_type();
-  return (p.device().is_cpu() || p.device().is_cuda()) && p.is_contiguous() &&
-         g.is_contiguous() && g.scalar_type() == dtype &&
+  return (p.device().is_cpu() || p.device().is_cuda()) && p.is_contiguous() && g.is_contiguous() &&
+         g.scalar_type() == dtype &&
          (dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
           dtype == at::kBFloat16);
 }
 
 // torch::optim::Adam / AdamW with ATen operations, for tensors the fused kernels do not take.
 void adam_composite(const at::Tensor& p, const at::Tensor& grad, const at::Tensor& m,
-                    const at::Tensor& v, int64_t t, double lr, double b1, double b2,
-                    double wd, double eps, bool decoupled) {
+                    const at::Tensor& v, int64_t t, double lr, double b1, double b2, double wd,
+                    double eps, bool decoupled) {
   at::Tensor g = grad;
   if (wd != 0) {
     if (decoupled) {
@@ -92,28 +92,28 @@ void adam_composite(const at::Tensor& p, const at::Tensor& grad, const at::Tenso
 
 // ---- options and state serialization ----
 
-#define DECENT_DP_ADAM_SERIALIZE(Name, extra_write, extra_read)               \
-  void Name::serialize(torch::serialize::OutputArchive& archive) const {     \
-    _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);                                    \
-    _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);                                 \
-    _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);                                   \
-    _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);                          \
-    extra_write                                                              \
-  }                                                                          \
-  void Name::serialize(torch::serialize::InputArchive& archive) {            \
-    _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);                          \
-    _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);                      \
-    _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);                         \
-    _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);                \
-    extra_read                                                               \
+#define DECENT_DP_ADAM_SERIALIZE(Name, extra_write, extra_read)          \
+  void Name::serialize(torch::serialize::OutputArchive& archive) const { \
+    _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);                                \
+    _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);                             \
+    _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);                               \
+    _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);                      \
+    extra_write                                                          \
+  }                                                                      \
+  void Name::serialize(torch::serialize::InputArchive& archive) {        \
+    _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);                      \
+    _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);                  \
+    _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);                     \
+    _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);            \
+    extra_read                                                           \
   }
 
 DECENT_DP_ADAM_SERIALIZE(AdamOptions, , )
 DECENT_DP_ADAM_SERIALIZE(AdamWOptions, , )
-DECENT_DP_ADAM_SERIALIZE(AccumAdamOptions, _TORCH_OPTIM_SERIALIZE_TORCH_ARG(accum_iter);,
-                         _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, accum_iter);)
-DECENT_DP_ADAM_SERIALIZE(AccumAdamWOptions, _TORCH_OPTIM_SERIALIZE_TORCH_ARG(accum_iter);,
-                         _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, accum_iter);)
+DECENT_DP_ADAM_SERIALIZE(AccumAdamOptions, _TORCH_OPTIM_SERIALIZE_TORCH_ARG(accum_iter);
+                         , _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, accum_iter);)
+DECENT_DP_ADAM_SERIALIZE(AccumAdamWOptions, _TORCH_OPTIM_SERIALIZE_TORCH_ARG(accum_iter);
+                         , _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, accum_iter);)
 #undef DECENT_DP_ADAM_SERIALIZE
 
 void AdamFamilyParamState::serialize(torch::serialize::OutputArchive& archive) const {
@@ -282,16 +282,16 @@ void AdamFamily<Options, kVariant>::step_group(const Options& o,
       fv.push_back(s.exp_avg_sq());
       fs.push_back(at::full({}, static_cast<double>(t), p.options().dtype(at::kFloat)));
     } else {
-      adam_composite(p, grads[i], s.exp_avg(), s.exp_avg_sq(), t, o.lr(), b1, b2,
-                     o.weight_decay(), o.eps(), kDecoupled);
+      adam_composite(p, grads[i], s.exp_avg(), s.exp_avg_sq(), t, o.lr(), b1, b2, o.weight_decay(),
+                     o.eps(), kDecoupled);
     }
   }
   // The fused kernels take one device and dtype per call.
   while (!fp.empty()) {
     std::vector<at::Tensor> p1, g1, m1, v1, s1, p2, g2, m2, v2, s2;
     for (size_t i = 0; i < fp.size(); ++i) {
-      const bool same = fp[i].device() == fp[0].device() &&
-                        fp[i].scalar_type() == fp[0].scalar_type();
+      const bool same =
+          fp[i].device() == fp[0].device() && fp[i].scalar_type() == fp[0].scalar_type();
       (same ? p1 : p2).push_back(fp[i]);
       (same ? g1 : g2).push_back(fg[i]);
       (same ? m1 : m2).push_back(fm[i]);

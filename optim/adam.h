@@ -19,19 +19,23 @@
 namespace decent_dp {
 namespace optim {
 
-#define DECENT_DP_ADAM_OPTIONS_BODY(Name, default_weight_decay)                    \
-  explicit Name(double lr = 1e-3) : lr_(lr) {}                                     \
-  TORCH_ARG(double, lr);                                                           \
-  typedef std::tuple<double, double> betas_t;                                      \
-  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);                         \
-  TORCH_ARG(double, eps) = 1e-8;                                                   \
-  TORCH_ARG(double, weight_decay) = default_weight_decay;                          \
-                                                                                   \
- public:                                                                           \
-  void serialize(torch::serialize::InputArchive& archive) override;                \
-  void serialize(torch::serialize::OutputArchive& archive) const override;         \
-  double get_lr() const override { return lr(); }                                  \
-  void set_lr(const double lr) override { this->lr(lr); }
+#define DECENT_DP_ADAM_OPTIONS_BODY(Name, default_weight_decay)            \
+  explicit Name(double lr = 1e-3) : lr_(lr) {}                             \
+  TORCH_ARG(double, lr);                                                   \
+  typedef std::tuple<double, double> betas_t;                              \
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);                 \
+  TORCH_ARG(double, eps) = 1e-8;                                           \
+  TORCH_ARG(double, weight_decay) = default_weight_decay;                  \
+                                                                           \
+ public:                                                                   \
+  void serialize(torch::serialize::InputArchive& archive) override;        \
+  void serialize(torch::serialize::OutputArchive& archive) const override; \
+  double get_lr() const override {                                         \
+    return lr();                                                           \
+  }                                                                        \
+  void set_lr(const double lr) override {                                  \
+    this->lr(lr);                                                          \
+  }
 
 // Adam: L2 weight decay added to the gradient (torch::optim::Adam's defaults).
 struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions> {

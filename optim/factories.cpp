@@ -10,7 +10,8 @@ namespace optim {
 namespace {
 
 bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 // Two groups, decayed first; empty groups are left out.
@@ -52,10 +53,11 @@ OptimFn adam_like(const FactoryOptions& f, const char* factory,
   }
   DECENT_DP_CHECK_ARG(f.weight_decay >= 0, factory, ": weight_decay must be >= 0, got ",
                       f.weight_decay);
-  return [f, options, factory](const NamedParams& named) -> std::unique_ptr<torch::optim::Optimizer> {
-    return std::make_unique<Optimizer>(
-        split_groups(named, f.decay, options, f.weight_decay, factory), options);
-  };
+  return
+      [f, options, factory](const NamedParams& named) -> std::unique_ptr<torch::optim::Optimizer> {
+        return std::make_unique<Optimizer>(
+            split_groups(named, f.decay, options, f.weight_decay, factory), options);
+      };
 }
 
 }  // namespace
@@ -64,13 +66,16 @@ bool default_weight_decay(const std::string& name, const at::Tensor& param) {
   return param.dim() >= 2 && !ends_with(name, "bias");
 }
 
-OptimFn adam(AdamFactoryOptions o) { return adam_like<Adam, AdamOptions>(o, "adam"); }
+OptimFn adam(AdamFactoryOptions o) {
+  return adam_like<Adam, AdamOptions>(o, "adam");
+}
 
-OptimFn adamw(AdamWFactoryOptions o) { return adam_like<AdamW, AdamWOptions>(o, "adamw"); }
+OptimFn adamw(AdamWFactoryOptions o) {
+  return adam_like<AdamW, AdamWOptions>(o, "adamw");
+}
 
 OptimFn accum_adam(AccumAdamFactoryOptions o) {
-  DECENT_DP_CHECK_ARG(o.accum_iter >= 1, "accum_adam: accum_iter must be >= 1, got ",
-                      o.accum_iter);
+  DECENT_DP_CHECK_ARG(o.accum_iter >= 1, "accum_adam: accum_iter must be >= 1, got ", o.accum_iter);
   return adam_like<AccumAdam, AccumAdamOptions>(
       o, "accum_adam", [k = o.accum_iter](AccumAdamOptions& x) { x.accum_iter(k); });
 }
@@ -84,8 +89,10 @@ OptimFn accum_adamw(AccumAdamWFactoryOptions o) {
 
 OptimFn sgd(SgdFactoryOptions f) {
   SGDOptions options(f.lr);
-  options.momentum(f.momentum).dampening(f.dampening).weight_decay(f.weight_decay).nesterov(
-      f.nesterov);
+  options.momentum(f.momentum)
+      .dampening(f.dampening)
+      .weight_decay(f.weight_decay)
+      .nesterov(f.nesterov);
   return [f, options](const NamedParams& named) -> std::unique_ptr<torch::optim::Optimizer> {
     return std::make_unique<SGD>(split_groups(named, f.decay, options, f.weight_decay, "sgd"),
                                  options);
@@ -106,7 +113,8 @@ LrSchedulerFn linear_warmup(int64_t t_warmup, double warmup_decay) {
 }
 
 LrSchedulerFn step_decay(int64_t step_size, double gamma) {
-  return [=](torch::optim::Optimizer& o) { return std::make_unique<StepDecay>(o, step_size, gamma); };
+  return
+      [=](torch::optim::Optimizer& o) { return std::make_unique<StepDecay>(o, step_size, gamma); };
 }
 
 LrSchedulerFn multistep_decay(std::vector<int64_t> milestones, double gamma) {

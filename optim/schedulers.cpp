@@ -89,8 +89,8 @@ double StepDecay::lr_at(double base, int64_t t) const {
   return base * std::pow(gamma_, static_cast<double>(t / step_size_));
 }
 
-MultiStepDecay::MultiStepDecay(torch::optim::Optimizer& optimizer,
-                               std::vector<int64_t> milestones, double gamma)
+MultiStepDecay::MultiStepDecay(torch::optim::Optimizer& optimizer, std::vector<int64_t> milestones,
+                               double gamma)
     : ClosedFormScheduler(optimizer), milestones_(std::move(milestones)), gamma_(gamma) {
   DECENT_DP_CHECK_ARG(std::is_sorted(milestones_.begin(), milestones_.end()),
                       "MultiStepDecay: milestones must be in ascending order");
@@ -99,13 +99,13 @@ MultiStepDecay::MultiStepDecay(torch::optim::Optimizer& optimizer,
 }
 
 double MultiStepDecay::lr_at(double base, int64_t t) const {
-  const auto passed = std::upper_bound(milestones_.begin(), milestones_.end(), t) -
-                      milestones_.begin();
+  const auto passed =
+      std::upper_bound(milestones_.begin(), milestones_.end(), t) - milestones_.begin();
   return base * std::pow(gamma_, static_cast<double>(passed));
 }
 
-InverseSqrtWithWarmup::InverseSqrtWithWarmup(torch::optim::Optimizer& optimizer,
-                                             int64_t t_warmup, double warmup_decay)
+InverseSqrtWithWarmup::InverseSqrtWithWarmup(torch::optim::Optimizer& optimizer, int64_t t_warmup,
+                                             double warmup_decay)
     : ClosedFormScheduler(optimizer), t_warmup_(t_warmup), warmup_decay_(warmup_decay) {
   DECENT_DP_CHECK_ARG(t_warmup >= 1, "InverseSqrtWithWarmup: t_warmup must be >= 1, got ",
                       t_warmup);

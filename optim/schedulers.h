@@ -35,8 +35,8 @@ class ClosedFormScheduler : public torch::optim::LRScheduler {
 // Linear warmup from warmup_decay * base over t_warmup steps, then a half cosine from base
 // down to eta_min over t_max steps, then eta_min:
 //   t <  t_warmup:            base * (warmup_decay + (1 - warmup_decay) * t / t_warmup)
-//   t_warmup <= t < t_w + t_max: eta_min + (base - eta_min) * (1 + cos(pi (t - t_warmup) / t_max)) / 2
-//   later:                    eta_min
+//   t_warmup <= t < t_w + t_max: eta_min + (base - eta_min) * (1 + cos(pi (t - t_warmup) / t_max))
+//   / 2 later:                    eta_min
 // (eta_min is absolute, the same for every group.)
 class CosineWithWarmup final : public ClosedFormScheduler {
  public:

@@ -22,9 +22,8 @@ void check_options(const SGDOptions& o) {
 
 bool fused_kernel_supports(const at::Tensor& p, const at::Tensor& g, const at::Tensor& buf) {
   const auto dtype = p.scalar_type();
-  return (p.device().is_cpu() || p.device().is_cuda()) && p.is_contiguous() &&
-         g.is_contiguous() && (!buf.defined() || buf.is_contiguous()) &&
-         g.scalar_type() == dtype &&
+  return (p.device().is_cpu() || p.device().is_cuda()) && p.is_contiguous() && g.is_contiguous() &&
+         (!buf.defined() || buf.is_contiguous()) && g.scalar_type() == dtype &&
          (dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
           dtype == at::kBFloat16);
 }
@@ -137,9 +136,9 @@ at::Tensor SGD::step(LossClosure closure) {
       }
       if (fused_kernel_supports(l.params, l.grads, momentum ? flat->blocks[0] : at::Tensor())) {
         at::_fused_sgd_({l.params}, {l.grads},
-                        momentum ? at::TensorList(flat->blocks) : at::TensorList(), o.weight_decay(),
-                        o.momentum(), o.lr(), o.dampening(), o.nesterov(), /*maximize=*/false,
-                        first);
+                        momentum ? at::TensorList(flat->blocks) : at::TensorList(),
+                        o.weight_decay(), o.momentum(), o.lr(), o.dampening(), o.nesterov(),
+                        /*maximize=*/false, first);
       } else {
         at::Tensor buf = momentum && !first ? flat->blocks[0] : at::Tensor();
         buf = sgd_composite(l.params, l.grads, buf, o);

@@ -32,18 +32,22 @@ class Simulator {
       if (i > 0) {  // every replica starts from replica 0's parameters and buffers
         auto src = models_[0]->named_parameters();
         auto dst = models_[i]->named_parameters();
-        for (const auto& p : src) dst[p.key()].copy_(p.value());
+        for (const auto& p : src)
+          dst[p.key()].copy_(p.value());
         auto srcb = models_[0]->named_buffers();
         auto dstb = models_[i]->named_buffers();
-        for (const auto& b : srcb) dstb[b.key()].copy_(b.value());
+        for (const auto& b : srcb)
+          dstb[b.key()].copy_(b.value());
       }
     }
     optim::NamedParams named;
     for (int i = 0; i < n; ++i) {
       named.clear();
-      for (const auto& p : models_[i]->named_parameters()) named.emplace_back(p.key(), p.value());
+      for (const auto& p : models_[i]->named_parameters())
+        named.emplace_back(p.key(), p.value());
       optimizers_.push_back(optim_fn(named));
-      if (scheduler_fn) schedulers_.push_back(scheduler_fn(*optimizers_.back()));
+      if (scheduler_fn)
+        schedulers_.push_back(scheduler_fn(*optimizers_.back()));
     }
   }
 
@@ -52,7 +56,8 @@ class Simulator {
     const int n = static_cast<int>(models_.size());
     for (int i = 0; i < n; ++i) {
       for (auto& p : models_[i]->parameters()) {
-        if (p.grad().defined()) p.mutable_grad().zero_();
+        if (p.grad().defined())
+          p.mutable_grad().zero_();
       }
       loss_fn(*models_[i], i, step_index).backward();
     }
@@ -63,11 +68,13 @@ class Simulator {
         at::Tensor sum = torch::zeros_like(params0[k]);
         for (int i = 0; i < n; ++i) {
           const auto g = models_[i]->parameters()[k].grad();
-          if (g.defined()) sum += g;
+          if (g.defined())
+            sum += g;
         }
         for (int i = 0; i < n; ++i) {
           auto p = models_[i]->parameters()[k];
-          if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+          if (!p.grad().defined())
+            p.mutable_grad() = torch::zeros_like(p);
           p.mutable_grad().copy_(sum / n);
         }
       }
@@ -76,7 +83,8 @@ class Simulator {
       // update u-1 (slot (u-1) mod P), with every replica's x(u-1).
       std::vector<std::vector<at::Tensor>> snapshot(n);
       for (int i = 0; i < n; ++i) {
-        for (const auto& p : models_[i]->parameters()) snapshot[i].push_back(p.detach().clone());
+        for (const auto& p : models_[i]->parameters())
+          snapshot[i].push_back(p.detach().clone());
       }
       for (int i = 0; i < n; ++i) {
         const auto& g = topo_->group_of(i, updates_);
@@ -85,7 +93,8 @@ class Simulator {
         for (size_t t = 0; t < params.size(); ++t) {
           at::Tensor mix = snapshot[i][t] * g.self_weight;
           for (int j : g.ranks) {
-            if (j != i) mix += snapshot[j][t] * ((1 - g.self_weight) / (k - 1));
+            if (j != i)
+              mix += snapshot[j][t] * ((1 - g.self_weight) / (k - 1));
           }
           params[t].copy_(snapshot[i][t] * (1 - adaptive_) + mix * adaptive_);
         }
@@ -94,10 +103,12 @@ class Simulator {
     for (int i = 0; i < n; ++i) {
       // Missing gradients count as zero (spec §7).
       for (auto& p : models_[i]->parameters()) {
-        if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+        if (!p.grad().defined())
+          p.mutable_grad() = torch::zeros_like(p);
       }
       optimizers_[i]->step();
-      if (!schedulers_.empty()) schedulers_[i]->step();
+      if (!schedulers_.empty())
+        schedulers_[i]->step();
     }
     ++updates_;
   }

@@ -20,7 +20,8 @@ std::shared_ptr<Communicator> shared_comm() {
 
 torch::nn::Sequential make_mlp() {
   torch::manual_seed(42);
-  return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+  return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(),
+                               torch::nn::Linear(16, 4));
 }
 
 torch::nn::Sequential make_cnn() {
@@ -29,8 +30,8 @@ torch::nn::Sequential make_cnn() {
       // No conv bias before BatchNorm: its exact gradient is zero, so Adam would only amplify
       // rounding noise.
       torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1).bias(false)),
-      torch::nn::BatchNorm2d(4),
-      torch::nn::ReLU(), torch::nn::Flatten(), torch::nn::Linear(4 * 5 * 5, 3));
+      torch::nn::BatchNorm2d(4), torch::nn::ReLU(), torch::nn::Flatten(),
+      torch::nn::Linear(4 * 5 * 5, 3));
 }
 
 struct Batch {
@@ -66,13 +67,18 @@ void check_matches(torch::nn::Module& mine, torch::nn::Module& ref, double rtol)
   }
 }
 
-bool power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
+bool power_of_two(int n) {
+  return n > 0 && (n & (n - 1)) == 0;
+}
 
 std::vector<std::pair<std::string, int>> topologies_for(int n) {
   std::vector<std::pair<std::string, int>> out = {{"complete", 1}};
-  if (n % 2 == 0 || n == 1) out.push_back({"ring", 1});
-  if (power_of_two(n)) out.push_back({"exp", 1});
-  if (n % 2 == 0 && power_of_two(n / 2) && n >= 4) out.push_back({"aer", 2});
+  if (n % 2 == 0 || n == 1)
+    out.push_back({"ring", 1});
+  if (power_of_two(n))
+    out.push_back({"exp", 1});
+  if (n % 2 == 0 && power_of_two(n / 2) && n >= 4)
+    out.push_back({"aer", 2});
   return out;
 }
 
@@ -98,31 +104,34 @@ TEST_CASE("decentralized training matches the simulator for every topology", "[d
       auto run = [&] {
         auto net = make();
         DecentralizedDataParallel<torch::nn::Sequential> model(net, small_buckets(name, lws),
-                                                                factory, sched, shared_comm());
+                                                               factory, sched, shared_comm());
         for (int step = 0; step < 20; ++step) {
           auto b = batch_for(cnn, rank, step);
           torch::mse_loss(model.forward(b.x), b.y).backward();
         }
         model.synchronize();
-        if (cnn || name == "complete") CHECK(model.bucket_count() > 1);
+        if (cnn || name == "complete")
+          CHECK(model.bucket_count() > 1);
         return net;
       };
       auto net = run();
       testing::Simulator sim([&] { return make().ptr(); }, n, name, lws, factory, sched);
       for (int step = 0; step < 20; ++step) {
-        sim.step([&](torch::nn::Module& m, int r, int s) {
-                   auto& seq = static_cast<torch::nn::SequentialImpl&>(m);
-                   auto b = batch_for(cnn, r, s);
-                   return torch::mse_loss(seq.forward(b.x), b.y);
-                 },
-                 step);
+        sim.step(
+            [&](torch::nn::Module& m, int r, int s) {
+              auto& seq = static_cast<torch::nn::SequentialImpl&>(m);
+              auto b = batch_for(cnn, r, s);
+              return torch::mse_loss(seq.forward(b.x), b.y);
+            },
+            step);
       }
       check_matches(*net, sim.model(rank), 1e-5);
       // Two runs are bit-identical.
       auto again = run();
       auto p1 = net->parameters();
       auto p2 = again->parameters();
-      for (size_t k = 0; k < p1.size(); ++k) CHECK(torch::equal(p1[k], p2[k]));
+      for (size_t k = 0; k < p1.size(); ++k)
+        CHECK(torch::equal(p1[k], p2[k]));
     }
   }
 }
@@ -139,22 +148,24 @@ TEST_CASE("SGD with momentum and an adaptive factor match the simulator", "[ddp]
   auto factory = optim::sgd(so);
   auto net = make_mlp();
   DecentralizedDataParallel<torch::nn::Sequential> model(net, small_buckets(name, 1), factory,
-                                                          nullptr, shared_comm());
+                                                         nullptr, shared_comm());
   model.set_adaptive_factor(0.5);
   testing::Simulator sim([] { return make_mlp().ptr(); }, n, name, 1, factory);
   sim.set_adaptive_factor(0.5);
   for (int step = 0; step < 15; ++step) {
     auto b = batch_for(false, rank, step);
     torch::mse_loss(model.forward(b.x), b.y).backward();
-    sim.step([&](torch::nn::Module& m, int r, int s) {
-               auto bb = batch_for(false, r, s);
-               return torch::mse_loss(static_cast<torch::nn::SequentialImpl&>(m).forward(bb.x), bb.y);
-             },
-             step);
+    sim.step(
+        [&](torch::nn::Module& m, int r, int s) {
+          auto bb = batch_for(false, r, s);
+          return torch::mse_loss(static_cast<torch::nn::SequentialImpl&>(m).forward(bb.x), bb.y);
+        },
+        step);
   }
   check_matches(*net, sim.model(rank), 1e-5);
   CHECK(model.adaptive_factor() == 0.5);
-  CHECK_THROWS_WITH(model.set_adaptive_factor(1.5), Catch::Contains("a must be in [0, 1], got 1.5"));
+  CHECK_THROWS_WITH(model.set_adaptive_factor(1.5),
+                    Catch::Contains("a must be in [0, 1], got 1.5"));
 }
 
 TEST_CASE("classic all-reduce equals one process on the union of the batches", "[ddp]") {
@@ -214,13 +225,16 @@ TEST_CASE("four micro-batches under no_sync equal one big-batch update", "[ddp]"
     };
     if (classic) {
       DistributedDataParallel<torch::nn::Sequential> bm(big, opts, factory, nullptr, shared_comm());
-      DistributedDataParallel<torch::nn::Sequential> sm(small, opts, factory, nullptr, shared_comm());
+      DistributedDataParallel<torch::nn::Sequential> sm(small, opts, factory, nullptr,
+                                                        shared_comm());
       run_steps(bm, sm);
       bm.synchronize();
       sm.synchronize();
     } else {
-      DecentralizedDataParallel<torch::nn::Sequential> bm(big, opts, factory, nullptr, shared_comm());
-      DecentralizedDataParallel<torch::nn::Sequential> sm(small, opts, factory, nullptr, shared_comm());
+      DecentralizedDataParallel<torch::nn::Sequential> bm(big, opts, factory, nullptr,
+                                                          shared_comm());
+      DecentralizedDataParallel<torch::nn::Sequential> sm(small, opts, factory, nullptr,
+                                                          shared_comm());
       run_steps(bm, sm);
       bm.synchronize();
       sm.synchronize();
@@ -242,19 +256,20 @@ TEST_CASE("global_avg, revert and consensus distance", "[ddp]") {
   };
   auto flat_params = [](torch::nn::Module& m) {
     std::vector<at::Tensor> v;
-    for (auto& p : m.parameters()) v.push_back(p.detach().flatten());
+    for (auto& p : m.parameters())
+      v.push_back(p.detach().flatten());
     return torch::cat(v);
   };
   // Reference run without global_avg.
   auto ref_net = make_mlp();
   DecentralizedDataParallel<torch::nn::Sequential> ref(ref_net, small_buckets(name, 1), factory,
-                                                        nullptr, shared_comm());
+                                                       nullptr, shared_comm());
   train(ref, 0, 12);
   ref.synchronize();
 
   auto net = make_mlp();
   DecentralizedDataParallel<torch::nn::Sequential> model(net, small_buckets(name, 1), factory,
-                                                          nullptr, shared_comm());
+                                                         nullptr, shared_comm());
   train(model, 0, 6);
   // The values global_avg must produce, from the gathered parameters.
   model.synchronize();
@@ -306,7 +321,8 @@ struct BranchNetImpl : torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x) {
     auto h = torch::tanh(a->forward(x));
-    if (x[0][0].item<float>() > 0) h = torch::tanh(skip->forward(h));
+    if (x[0][0].item<float>() > 0)
+      h = torch::tanh(skip->forward(h));
     return out->forward(h);
   }
   torch::nn::Linear a{nullptr}, skip{nullptr}, never{nullptr}, out{nullptr};
@@ -322,7 +338,8 @@ TEST_CASE("unused parameters: a data-dependent branch and a layer never used", "
   // Step 0 uses `skip` on every rank (x[0][0] forced positive), so it is bucketed.
   auto input = [](int r, int s) {
     auto b = batch_for(false, r, s);
-    if (s == 0) b.x[0][0] = 1.0;
+    if (s == 0)
+      b.x[0][0] = 1.0;
     return b;
   };
   BranchNet net;
@@ -336,18 +353,20 @@ TEST_CASE("unused parameters: a data-dependent branch and a layer never used", "
   CHECK(model.unused_parameters() == std::vector<std::string>{"never.weight", "never.bias"});
   testing::Simulator sim([] { return BranchNet().ptr(); }, n, opts.topology, 1, factory);
   for (int step = 0; step < 12; ++step) {
-    sim.step([&](torch::nn::Module& m, int r, int s) {
-               auto b = input(r, s);
-               return torch::mse_loss(static_cast<BranchNetImpl&>(m).forward(b.x), b.y);
-             },
-             step);
+    sim.step(
+        [&](torch::nn::Module& m, int r, int s) {
+          auto b = input(r, s);
+          return torch::mse_loss(static_cast<BranchNetImpl&>(m).forward(b.x), b.y);
+        },
+        step);
   }
   // The never-used layer keeps its initial value everywhere; in the simulator its zero
   // gradient moves nothing but weight decay, so compare the trained layers only.
   auto mine = net->named_parameters();
   auto ref = sim.model(rank).named_parameters();
   for (const auto& p : mine) {
-    if (p.key().rfind("never", 0) == 0) continue;
+    if (p.key().rfind("never", 0) == 0)
+      continue;
     INFO("rank " << rank << " parameter " << p.key());
     CHECK(relative_error(p.value(), ref[p.key()]) <= 1e-5);
   }
@@ -367,7 +386,8 @@ TEST_CASE("misuse gets one clear error and no hang", "[ddp]") {
   CHECK_THROWS_WITH(make(o), Catch::Contains("unknown topology 'nosuch'"));
   if (n % 2 == 1 && n > 1) {
     o.topology = "ring";
-    CHECK_THROWS_WITH(make(o), Catch::Contains("ring topology needs an even world size, got " + std::to_string(n)));
+    CHECK_THROWS_WITH(make(o), Catch::Contains("ring topology needs an even world size, got " +
+                                               std::to_string(n)));
   }
   o = DataParallelOptions();
   o.bucket_cap_mb = 0;
@@ -387,7 +407,8 @@ TEST_CASE("misuse gets one clear error and no hang", "[ddp]") {
   }
   auto other = torch::zeros({3}, torch::requires_grad());
   auto other_factory = [&](const NamedParams&) -> std::unique_ptr<torch::optim::Optimizer> {
-    return std::make_unique<torch::optim::SGD>(std::vector<at::Tensor>{other}, torch::optim::SGDOptions(0.1));
+    return std::make_unique<torch::optim::SGD>(std::vector<at::Tensor>{other},
+                                               torch::optim::SGDOptions(0.1));
   };
   {
     auto model = make(DataParallelOptions(), other_factory);
@@ -411,17 +432,16 @@ TEST_CASE("misuse gets one clear error and no hang", "[ddp]") {
     torch::manual_seed(1);
     auto net = comm().rank() == 1 ? torch::nn::Sequential(torch::nn::Linear(8, 5))
                                   : torch::nn::Sequential(torch::nn::Linear(8, 4));
-    CHECK_THROWS_WITH(
-        DecentralizedDataParallel<torch::nn::Sequential>(net, DataParallelOptions(), factory,
-                                                         nullptr, shared_comm()),
-        Catch::Contains("the model differs across ranks"));
+    CHECK_THROWS_WITH(DecentralizedDataParallel<torch::nn::Sequential>(
+                          net, DataParallelOptions(), factory, nullptr, shared_comm()),
+                      Catch::Contains("the model differs across ranks"));
   }
 }
 
 TEST_CASE("the wrapper is the module: names, parameters, buffers, train and eval", "[ddp]") {
   auto net = make_cnn();
-  DecentralizedDataParallel<torch::nn::Sequential> model(net, DataParallelOptions(),
-                                                          optim::adamw(), nullptr, shared_comm());
+  DecentralizedDataParallel<torch::nn::Sequential> model(net, DataParallelOptions(), optim::adamw(),
+                                                         nullptr, shared_comm());
   auto mine = model.named_parameters();
   auto theirs = net->named_parameters();
   REQUIRE(mine.size() == theirs.size());

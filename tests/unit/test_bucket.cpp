@@ -20,7 +20,8 @@ TEST_CASE("bucket plan: alignment, cap boundaries, order", "[bucket]") {
   CHECK(align_numel(32) == 32);
   CHECK(align_numel(33) == 64);
   // float32: 32 elements = 128 bytes per aligned slot. Cap 256 bytes = two slots.
-  auto plan = plan_buckets({entry(5, 10), entry(4, 20), entry(3, 40), entry(2, 1), entry(1, 7)}, 256);
+  auto plan =
+      plan_buckets({entry(5, 10), entry(4, 20), entry(3, 40), entry(2, 1), entry(1, 7)}, 256);
   REQUIRE(plan.size() == 3);
   CHECK(plan[0].params == std::vector<size_t>{5, 4});  // 128 + 128 = 256 reaches the cap
   CHECK(plan[0].offsets == std::vector<int64_t>{0, 32});
@@ -36,7 +37,8 @@ TEST_CASE("bucket plan: alignment, cap boundaries, order", "[bucket]") {
   // A huge cap makes one bucket; each parameter gets its own when the cap is tiny.
   CHECK(plan_buckets({entry(0, 5), entry(1, 5), entry(2, 5)}, 1 << 30).size() == 1);
   CHECK(plan_buckets({entry(0, 5), entry(1, 5), entry(2, 5)}, 1).size() == 3);
-  CHECK_THROWS_WITH(plan_buckets({entry(0, 5)}, 0), Catch::Contains("bucket cap must be > 0 bytes, got 0"));
+  CHECK_THROWS_WITH(plan_buckets({entry(0, 5)}, 0),
+                    Catch::Contains("bucket cap must be > 0 bytes, got 0"));
 }
 
 TEST_CASE("bucket plan: dtypes never mix", "[bucket]") {
@@ -54,7 +56,8 @@ TEST_CASE("bucket plan: dtypes never mix", "[bucket]") {
 
 TEST_CASE("bucket storage: views share the blocks, channels-last keeps its strides", "[bucket]") {
   torch::manual_seed(0);
-  auto conv = torch::randn({4, 3, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast).requires_grad_(true);
+  auto conv =
+      torch::randn({4, 3, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast).requires_grad_(true);
   auto bias = torch::randn({4}).requires_grad_(true);
   const auto conv_values = conv.detach().clone();
   conv.mutable_grad() = torch::ones_like(conv);
@@ -69,7 +72,7 @@ TEST_CASE("bucket storage: views share the blocks, channels-last keeps its strid
   CHECK(conv.grad().is_alias_of(storage.grads));
   CHECK(torch::equal(conv, conv_values));
   CHECK(conv.grad().sum().item<double>() == 108.0);  // the existing gradient was copied in
-  CHECK(bias.grad().is_alias_of(storage.grads));  // gradients always live in the block
+  CHECK(bias.grad().is_alias_of(storage.grads));     // gradients always live in the block
   CHECK(bias.grad().abs().sum().item<double>() == 0.0);
   // Padding is zero and the views are where the plan says.
   CHECK(storage.params.narrow(0, 108, 128 - 108).abs().sum().item<double>() == 0.0);

@@ -112,8 +112,7 @@ void run_pair(Ours& ours, std::vector<at::Tensor>& ours_params, Theirs& theirs,
 
 }  // namespace
 
-TEST_CASE("Adam, AdamW and SGD match torch::optim over 100 steps, flat and per tensor",
-          "[optim]") {
+TEST_CASE("Adam, AdamW and SGD match torch::optim over 100 steps, flat and per tensor", "[optim]") {
   const auto init = make_params(1);
   SECTION("Adam") {
     for (double wd : {0.0, 0.01}) {
@@ -168,7 +167,11 @@ TEST_CASE("Adam, AdamW and SGD match torch::optim over 100 steps, flat and per t
                                         .dampening(c.dampening)
                                         .weight_decay(c.wd)
                                         .nesterov(c.nesterov));
-      auto opts = SGDOptions(0.05).momentum(c.momentum).dampening(c.dampening).weight_decay(c.wd).nesterov(c.nesterov);
+      auto opts = SGDOptions(0.05)
+                      .momentum(c.momentum)
+                      .dampening(c.dampening)
+                      .weight_decay(c.wd)
+                      .nesterov(c.nesterov);
       auto mine = clone_params(init);
       SGD ours(mine, opts);
       auto flat = make_flat(init);
@@ -232,11 +235,15 @@ TEST_CASE("AccumAdam(W) match a plain implementation of spec section 8", "[optim
       auto per_tensor = clone_params(init);
       std::unique_ptr<torch::optim::Optimizer> a, b;
       if (decoupled) {
-        a = std::make_unique<AccumAdamW>(flat.params, AccumAdamWOptions(lr).weight_decay(wd).accum_iter(K));
-        b = std::make_unique<AccumAdamW>(per_tensor, AccumAdamWOptions(lr).weight_decay(wd).accum_iter(K));
+        a = std::make_unique<AccumAdamW>(flat.params,
+                                         AccumAdamWOptions(lr).weight_decay(wd).accum_iter(K));
+        b = std::make_unique<AccumAdamW>(per_tensor,
+                                         AccumAdamWOptions(lr).weight_decay(wd).accum_iter(K));
       } else {
-        a = std::make_unique<AccumAdam>(flat.params, AccumAdamOptions(lr).weight_decay(wd).accum_iter(K));
-        b = std::make_unique<AccumAdam>(per_tensor, AccumAdamOptions(lr).weight_decay(wd).accum_iter(K));
+        a = std::make_unique<AccumAdam>(flat.params,
+                                        AccumAdamOptions(lr).weight_decay(wd).accum_iter(K));
+        b = std::make_unique<AccumAdam>(per_tensor,
+                                        AccumAdamOptions(lr).weight_decay(wd).accum_iter(K));
       }
       std::vector<AccumReference> ref(init.size());
       for (size_t i = 0; i < init.size(); ++i) {
@@ -279,21 +286,25 @@ TEST_CASE("AccumAdam(W) match a plain implementation of spec section 8", "[optim
 
 TEST_CASE("schedulers follow their closed forms", "[optim]") {
   auto p = torch::zeros({2}).requires_grad_(true);
-  auto make = [&] { return std::make_unique<torch::optim::SGD>(std::vector<at::Tensor>{p}, torch::optim::SGDOptions(0.5)); };
+  auto make = [&] {
+    return std::make_unique<torch::optim::SGD>(std::vector<at::Tensor>{p},
+                                               torch::optim::SGDOptions(0.5));
+  };
   auto lr_of = [](torch::optim::Optimizer& o) { return o.param_groups()[0].options().get_lr(); };
   auto run = [&](torch::optim::Optimizer& o, torch::optim::LRScheduler& s, int64_t k) {
-    for (int64_t i = 0; i < k; ++i) s.step();
+    for (int64_t i = 0; i < k; ++i)
+      s.step();
     return lr_of(o);
   };
   {
     auto o = make();
     CosineWithWarmup s(*o, /*t_max=*/10, /*t_warmup=*/4, /*warmup_decay=*/0.1, /*eta_min=*/0.01);
-    CHECK(lr_of(*o) == Approx(0.5 * 0.1));                      // t = 0
+    CHECK(lr_of(*o) == Approx(0.5 * 0.1));                        // t = 0
     CHECK(run(*o, s, 2) == Approx(0.5 * (0.1 + 0.9 * 2 / 4.0)));  // t = 2
     CHECK(run(*o, s, 2) == Approx(0.5));                          // t = 4: end of warmup
     CHECK(run(*o, s, 5) == Approx(0.01 + 0.49 * (1 + std::cos(M_PI * 0.5)) / 2));  // t = 9
-    CHECK(run(*o, s, 5) == Approx(0.01));                         // t = 14
-    CHECK(run(*o, s, 3) == Approx(0.01));                         // later
+    CHECK(run(*o, s, 5) == Approx(0.01));                                          // t = 14
+    CHECK(run(*o, s, 3) == Approx(0.01));                                          // later
   }
   {
     auto o = make();
@@ -334,8 +345,10 @@ TEST_CASE("schedulers follow their closed forms", "[optim]") {
     // Two groups keep their own base rates; the factory builds the same scheduler.
     auto q = torch::zeros({2}).requires_grad_(true);
     std::vector<torch::optim::OptimizerParamGroup> groups;
-    groups.emplace_back(std::vector<at::Tensor>{p}, std::make_unique<torch::optim::SGDOptions>(1.0));
-    groups.emplace_back(std::vector<at::Tensor>{q}, std::make_unique<torch::optim::SGDOptions>(0.1));
+    groups.emplace_back(std::vector<at::Tensor>{p},
+                        std::make_unique<torch::optim::SGDOptions>(1.0));
+    groups.emplace_back(std::vector<at::Tensor>{q},
+                        std::make_unique<torch::optim::SGDOptions>(0.1));
     torch::optim::SGD o(groups, torch::optim::SGDOptions(1.0));
     auto s = step_decay(1, 0.5)(o);
     s->step();
@@ -344,7 +357,8 @@ TEST_CASE("schedulers follow their closed forms", "[optim]") {
   }
   auto o = make();
   CHECK_THROWS_WITH(CosineWithWarmup(*o, 0), Catch::Contains("t_max must be >= 1, got 0"));
-  CHECK_THROWS_WITH(LinearWarmup(*o, 3, 2.0), Catch::Contains("warmup_decay must be in [0, 1], got 2"));
+  CHECK_THROWS_WITH(LinearWarmup(*o, 3, 2.0),
+                    Catch::Contains("warmup_decay must be in [0, 1], got 2"));
 }
 
 TEST_CASE("save, load and continue is bit-identical to an uninterrupted run", "[optim]") {
@@ -384,7 +398,8 @@ TEST_CASE("save, load and continue is bit-identical to an uninterrupted run", "[
     check_close(c.params, a.params, 0.0);
   };
   SECTION("AdamW") {
-    check_resume([](std::vector<at::Tensor>& p) { return std::make_unique<AdamW>(p, AdamWOptions(1e-2)); });
+    check_resume(
+        [](std::vector<at::Tensor>& p) { return std::make_unique<AdamW>(p, AdamWOptions(1e-2)); });
   }
   SECTION("AccumAdamW keeps its accumulator") {
     check_resume([](std::vector<at::Tensor>& p) {
@@ -420,7 +435,8 @@ std::set<std::string> names_in_group(const torch::optim::Optimizer& o, size_t g,
   std::set<std::string> out;
   for (const auto& p : o.param_groups()[g].params()) {
     for (const auto& [name, q] : named) {
-      if (q.is_same(p)) out.insert(name);
+      if (q.is_same(p))
+        out.insert(name);
     }
   }
   return out;
@@ -438,8 +454,8 @@ TEST_CASE("factories split weight decay the conventional way", "[optim]") {
   REQUIRE(opt->param_groups().size() == 2);
   CHECK(names_in_group(*opt, 0, named) ==
         std::set<std::string>{"fc.weight", "conv.weight", "emb.weight"});
-  CHECK(names_in_group(*opt, 1, named) ==
-        std::set<std::string>{"fc.bias", "conv.bias", "bn.weight", "bn.bias", "ln.weight", "ln.bias"});
+  CHECK(names_in_group(*opt, 1, named) == std::set<std::string>{"fc.bias", "conv.bias", "bn.weight",
+                                                                "bn.bias", "ln.weight", "ln.bias"});
   CHECK(static_cast<AdamWOptions&>(opt->param_groups()[0].options()).weight_decay() == 0.1);
   CHECK(static_cast<AdamWOptions&>(opt->param_groups()[1].options()).weight_decay() == 0.0);
   // Spec defaults.
