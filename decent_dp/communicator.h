@@ -43,8 +43,14 @@ class Communicator {
 
   // Asynchronous in-place all-reduce of `tensor` over the group `ranks` (ascending, must
   // contain this rank). kAvg divides the sum by the group size, in the tensor's dtype.
-  virtual std::shared_ptr<Work> allreduce(const at::Tensor& tensor, const std::vector<int>& ranks,
-                                          ReduceOp op) = 0;
+  std::shared_ptr<Work> allreduce(const at::Tensor& tensor, const std::vector<int>& ranks,
+                                  ReduceOp op) {
+    return allreduce(tensor, tensor, ranks, op);
+  }
+  // Out-of-place form: the result of reducing `input` lands in `output` (same dtype and
+  // number of elements; may be `input`). `input` must not change until the work is done.
+  virtual std::shared_ptr<Work> allreduce(const at::Tensor& input, const at::Tensor& output,
+                                          const std::vector<int>& ranks, ReduceOp op) = 0;
   // Asynchronous broadcast of `tensor` from world rank `root` to every rank.
   virtual std::shared_ptr<Work> broadcast(const at::Tensor& tensor, int root) = 0;
   // Asynchronous all-gather over all ranks: `output` holds size() * input.numel() elements

@@ -9,7 +9,6 @@
 #include <cmath>
 #include <functional>
 #include <limits>
-#include <mutex>
 #include <sstream>
 
 #include "decent_dp/grad_hooks.h"
@@ -64,17 +63,10 @@ std::vector<std::vector<int64_t>> allgather_vector(Communicator& comm,
 }  // namespace
 
 std::shared_ptr<Communicator> default_communicator() {
-  static std::mutex mutex;
-  static std::weak_ptr<Communicator> instance;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto comm = instance.lock();
-  if (!comm) {
-    static std::shared_ptr<Communicator> keep;  // lives until exit
-    keep = std::make_shared<MpiCommunicator>();
-    instance = keep;
-    comm = keep;
-  }
-  return comm;
+  // Constructed in the initializer, so its destructor runs before the MPI finalization that
+  // its constructor registers with atexit.
+  static std::shared_ptr<Communicator> instance = std::make_shared<MpiCommunicator>();
+  return instance;
 }
 
 struct DataParallelCore::Bucket {
@@ -491,27 +483,22 @@ void DataParallelCore::process_bucket(size_t b) {
     // mix(x)_i = w x_i + (1-w)/(k-1) (k A - x_i), and x <- (1-a) x + a mix(x).
     const double k = g.size();
     const double a = adaptive_factor_;
-    double self_coef = 1.0;
-    double mean_coef = 0.0;
-    if (k > 1) {
-      const double w = g.self_weight;
-      self_coef = w - (1 - w) / (k - 1);
-      mean_coef = (1 - w) * k / (k - 1);
+    const double mean_coef = k > 1 ? (1 - g.self_weight) * k / (k - 1) : 0.0;
+    // The coefficients of x and A sum to one, so the mixing is one pass:
+    // x <- x + a mean_coef (A - x).
+    if (a * mean_coef != 0.0) {
+      bucket.storage.params.lerp_(bucket.storage.comm, a * mean_coef);
     }
-    at::Tensor& x = bucket.storage.params;
-    const double x_coef = (1 - a) + a * self_coef;
-    if (x_coef != 1.0)
-      x.mul_(x_coef);
-    if (a * mean_coef != 0.0)
-      x.add_(bucket.storage.comm, a * mean_coef);
     bucket.work.reset();
   }
   step_bucket(bucket);
   if (comm_->size() > 1) {
     const int64_t u = updates_ + 1;  // this update's number
     bucket.group = &topology_->group_of(comm_->rank(), u);
-    bucket.storage.comm.copy_(bucket.storage.params);
-    bucket.work = comm_->allreduce(bucket.storage.comm, bucket.group->ranks, ReduceOp::kAvg);
+    // Out of place: the parameter block is the input (it does not change until this bucket's
+    // next update, which first waits for the exchange), the communication block the output.
+    bucket.work = comm_->allreduce(bucket.storage.params, bucket.storage.comm, bucket.group->ranks,
+                                   ReduceOp::kAvg);
   }
 }
 

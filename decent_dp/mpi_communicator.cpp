@@ -5,6 +5,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <thread>
@@ -398,10 +399,18 @@ void MpiCommunicator::make_groups(const std::vector<std::vector<int>>& groups) {
   });
 }
 
-std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor,
+std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const at::Tensor& output,
                                                  const std::vector<int>& ranks, ReduceOp op) {
   Impl& d = *impl_;
   check_cpu_tensor(tensor, "allreduce", "tensor");
+  const bool in_place = output.defined() && output.is_same(tensor);
+  if (!in_place) {
+    check_cpu_tensor(output, "allreduce", "output");
+    DECENT_DP_CHECK_ARG(
+        output.scalar_type() == tensor.scalar_type() && output.numel() == tensor.numel(),
+        "allreduce: output must have the input's dtype and size (", dtype_name(tensor), ", ",
+        tensor.numel(), " elements), got ", dtype_name(output), ", ", output.numel(), " elements");
+  }
   check_reduce_dtype(tensor, "allreduce");
   DECENT_DP_CHECK_ARG(!(op == ReduceOp::kAvg && !tensor.is_floating_point()),
                       "allreduce: ReduceOp::kAvg needs a floating-point tensor, got ",
@@ -419,40 +428,39 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor,
   DECENT_DP_CHECK_ARG(k == 1 || group != nullptr, "allreduce: no communicator for group ",
                       ranks_to_string(ranks), " on rank ", d.rank,
                       "; create it first with make_groups() on every rank");
-  auto work =
-      d.make_work(cat("allreduce(", to_string(op), ", ", tensor.numel(), " x ", dtype_name(tensor),
-                      ") on group ", ranks_to_string(ranks), " (rank ", d.rank, ")"),
-                  {tensor});
+  auto work = d.make_work(
+      cat("allreduce(", to_string(op), ", ", tensor.numel(), " x ", dtype_name(tensor),
+          ") on group ", ranks_to_string(ranks), " (rank ", d.rank, ")"),
+      in_place ? std::vector<at::Tensor>{tensor} : std::vector<at::Tensor>{tensor, output});
   if (k == 1) {
+    if (!in_place) {
+      std::memcpy(output.data_ptr(), tensor.data_ptr(), tensor.nbytes());
+    }
     work->finish();  // the mean of one value is the value itself
     return work;
   }
   const int64_t numel = tensor.numel();
   const at::ScalarType dtype = tensor.scalar_type();
-  char* data = static_cast<char*>(tensor.data_ptr());
-  std::function<void()> complete;
-  if (op == ReduceOp::kAvg) {
-    complete = [data, numel, k, dtype] { detail::divide_by(data, numel, k, dtype); };
-  }
+  const char* input = static_cast<const char*>(tensor.data_ptr());
+  char* data = static_cast<char*>(output.data_ptr());
+  const bool average = op == ReduceOp::kAvg;
   // Note [ring all-reduce over point-to-point]: the ring is created when the operation
-  // starts on the progress thread, which also assigns its tag in submission order.
+  // starts, by the engine's token holder, which also assigns its tag in submission order.
   auto ring = std::make_shared<std::unique_ptr<detail::RingAllreduce>>();
   detail::ProgressEngine* engine = d.engine.get();
-  return d.submit(
-      work,
-      [ring, engine, group, data, numel, dtype] {
-        if (!*ring) {
-          const int tag = static_cast<int>(group->sequence++ % 32768u);
-          *ring = std::make_unique<detail::RingAllreduce>(
-              data, numel, dtype, group->comm, group->index, group->size, tag, engine->scratch());
-        }
-        std::vector<MPI_Request> next = (*ring)->next();
-        if (next.empty()) {
-          ring->reset();  // returns the scratch buffer to the pool
-        }
-        return next;
-      },
-      std::move(complete));
+  return d.submit(work, [ring, engine, group, input, data, numel, dtype, average] {
+    if (!*ring) {
+      const int tag = static_cast<int>(group->sequence++ % 32768u);
+      *ring = std::make_unique<detail::RingAllreduce>(input, data, numel, dtype, average,
+                                                      group->comm, group->index, group->size, tag,
+                                                      engine->scratch());
+    }
+    std::vector<MPI_Request> next = (*ring)->next();
+    if (next.empty()) {
+      ring->reset();  // returns the scratch buffer to the pool
+    }
+    return next;
+  });
 }
 
 std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int root) {

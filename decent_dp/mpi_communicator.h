@@ -43,8 +43,9 @@ class MpiCommunicator final : public Communicator {
   void make_groups(const std::vector<std::vector<int>>& groups) override;
   bool has_group(const std::vector<int>& ranks) const override;
 
-  std::shared_ptr<Work> allreduce(const at::Tensor& tensor, const std::vector<int>& ranks,
-                                  ReduceOp op) override;
+  using Communicator::allreduce;
+  std::shared_ptr<Work> allreduce(const at::Tensor& input, const at::Tensor& output,
+                                  const std::vector<int>& ranks, ReduceOp op) override;
   std::shared_ptr<Work> broadcast(const at::Tensor& tensor, int root) override;
   std::shared_ptr<Work> allgather(const at::Tensor& output, const at::Tensor& input) override;
   void barrier() override;

@@ -104,6 +104,7 @@ void ProgressEngine::advance(Op& op) {
     finish_op(op, std::current_exception());
     return;
   }
+  completed_.fetch_add(1);  // a step of the operation finished (or it started)
   if (posted.empty()) {
     finish_op(op, nullptr);
     return;
@@ -184,6 +185,8 @@ void ProgressEngine::poll_once() {
   }
 }
 
+constexpr std::chrono::microseconds ProgressEngine::kMaxBackoff;
+
 void ProgressEngine::thread_main() {
 #ifdef __linux__
   // SCHED_BATCH: a fair share of the core, but a wake-up never preempts the thread that is
@@ -194,6 +197,8 @@ void ProgressEngine::thread_main() {
 #endif
   bool stopping = false;
   std::chrono::steady_clock::time_point deadline{};
+  std::chrono::microseconds sleep = interval_;
+  uint64_t last_completed = 0;
   while (true) {
     {
       std::unique_lock<std::mutex> lock(queue_mutex_);
@@ -233,11 +238,23 @@ void ProgressEngine::thread_main() {
     if (in_flight_.load() == 0) {
       continue;
     }
-    if (interval_.count() == 0) {
+    // Back off while polls complete nothing (large messages move in few progress calls, and
+    // every wake-up costs the computation a context switch); start again from `interval_`
+    // after a completed step or a new submission.
+    const uint64_t completed = completed_.load();
+    if (completed != last_completed) {
+      last_completed = completed;
+      sleep = interval_;
+    } else {
+      sleep = std::min(sleep * 2, std::max(interval_, kMaxBackoff));
+    }
+    if (sleep.count() == 0) {
       std::this_thread::yield();
     } else {
       std::unique_lock<std::mutex> lock(queue_mutex_);
-      cv_.wait_for(lock, interval_, [this] { return stop_ || !queue_.empty(); });
+      if (cv_.wait_for(lock, sleep, [this] { return stop_ || !queue_.empty(); })) {
+        sleep = interval_;
+      }
     }
   }
 }

@@ -6,9 +6,10 @@
 // ring all-reduce) to their next step.
 //
 // Only the holder of the engine's token polls. Two kinds of thread take it:
-//  - the engine's progress thread, which polls every `interval` while operations are in
-//    flight (sleeping in between so it leaves the core to the computation it overlaps) and
-//    sleeps without polling while there are none or while a caller drives;
+//  - the engine's progress thread, which polls while operations are in flight, sleeping in
+//    between so it leaves the core to the computation it overlaps: `interval` after
+//    progress, doubling up to kMaxBackoff (1 ms) while polls complete nothing. It sleeps
+//    without polling while there are no operations or while a caller drives;
 //  - a caller blocked in Work::wait(), which polls continuously instead of sleeping, so a
 //    wait costs no thread hand-offs and runs at the speed of a blocking MPI call.
 #pragma once
@@ -94,6 +95,8 @@ class ProgressEngine {
   bool stop_ = false;                      // guarded by queue_mutex_
   std::atomic<size_t> in_flight_{0};       // queued + active
   std::atomic<int> drivers_{0};
+  std::atomic<uint64_t> completed_{0};  // steps advanced, for the progress thread's backoff
+  static constexpr std::chrono::microseconds kMaxBackoff{1000};
   std::atomic<bool> stopped_{false};
   bool abandoned_ = false;
   std::thread thread_;

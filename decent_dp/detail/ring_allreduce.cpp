@@ -19,21 +19,24 @@ namespace {
 #define DECENT_DP_MULTIVERSION
 #endif
 
+// out = a + b; `out` may be `a`.
 template <typename T>
-DECENT_DP_MULTIVERSION void add_typed(void* dst, const void* src, int64_t n) {
-  T* __restrict d = static_cast<T*>(dst);
-  const T* __restrict s = static_cast<const T*>(src);
+DECENT_DP_MULTIVERSION void add_typed(void* out, const void* a, const void* b, int64_t n) {
+  T* o = static_cast<T*>(out);
+  const T* x = static_cast<const T*>(a);
+  const T* __restrict y = static_cast<const T*>(b);
   for (int64_t i = 0; i < n; ++i) {
-    d[i] += s[i];
+    o[i] = x[i] + y[i];
   }
 }
 
 template <typename T>
-void add_16bit(void* dst, const void* src, int64_t n) {
-  T* d = static_cast<T*>(dst);
-  const T* s = static_cast<const T*>(src);
+void add_16bit(void* out, const void* a, const void* b, int64_t n) {
+  T* o = static_cast<T*>(out);
+  const T* x = static_cast<const T*>(a);
+  const T* y = static_cast<const T*>(b);
   for (int64_t i = 0; i < n; ++i) {
-    d[i] = static_cast<T>(static_cast<float>(d[i]) + static_cast<float>(s[i]));
+    o[i] = static_cast<T>(static_cast<float>(x[i]) + static_cast<float>(y[i]));
   }
 }
 
@@ -97,22 +100,22 @@ void ScratchPool::release(Buffer buffer) {
   free_.push_back(std::move(buffer));
 }
 
-void add_into(void* dst, const void* src, int64_t n, c10::ScalarType dtype) {
+void add_out(void* out, const void* a, const void* b, int64_t n, c10::ScalarType dtype) {
   switch (dtype) {
     case c10::kFloat:
-      return add_typed<float>(dst, src, n);
+      return add_typed<float>(out, a, b, n);
     case c10::kDouble:
-      return add_typed<double>(dst, src, n);
+      return add_typed<double>(out, a, b, n);
     case c10::kInt:
-      return add_typed<int32_t>(dst, src, n);
+      return add_typed<int32_t>(out, a, b, n);
     case c10::kLong:
-      return add_typed<int64_t>(dst, src, n);
+      return add_typed<int64_t>(out, a, b, n);
     case c10::kBFloat16:
-      return add_16bit<c10::BFloat16>(dst, src, n);
+      return add_16bit<c10::BFloat16>(out, a, b, n);
     case c10::kHalf:
-      return add_16bit<c10::Half>(dst, src, n);
+      return add_16bit<c10::Half>(out, a, b, n);
     default:
-      throw InvalidArgument(cat("add_into: unsupported dtype ", c10::toString(dtype)));
+      throw InvalidArgument(cat("add_out: unsupported dtype ", c10::toString(dtype)));
   }
 }
 
@@ -131,9 +134,12 @@ void divide_by(void* p, int64_t n, int64_t k, c10::ScalarType dtype) {
   }
 }
 
-RingAllreduce::RingAllreduce(char* data, int64_t numel, c10::ScalarType dtype, MPI_Comm comm,
-                             int index, int size, int tag, ScratchPool& pool)
-    : data_(data),
+RingAllreduce::RingAllreduce(const char* input, char* output, int64_t numel, c10::ScalarType dtype,
+                             bool average, MPI_Comm comm, int index, int size, int tag,
+                             ScratchPool& pool)
+    : input_(input),
+      data_(output),
+      average_(average),
       element_size_(static_cast<int64_t>(c10::elementSize(dtype))),
       dtype_(dtype),
       comm_(comm),
@@ -164,9 +170,17 @@ RingAllreduce::~RingAllreduce() {
 std::vector<MPI_Request> RingAllreduce::next() {
   const int k = size_;
   if (pending_chunk_ >= 0) {
-    add_into(data_ + chunk_begin(pending_chunk_) * element_size_, scratch_.data.get(),
-             chunk_size(pending_chunk_), dtype_);
+    // output[c] = input[c] + received (the first time chunk c is reduced on this rank).
+    const int64_t offset = chunk_begin(pending_chunk_) * element_size_;
+    add_out(data_ + offset, input_ + offset, scratch_.data.get(), chunk_size(pending_chunk_),
+            dtype_);
     pending_chunk_ = -1;
+    if (step_ == k - 1 && average_) {
+      // The chunk this rank owns is fully reduced: divide it before passing it around, so
+      // each rank divides 1/k of the buffer and every member gets the same bits.
+      const int owned = (index_ + 1) % k;
+      divide_by(data_ + chunk_begin(owned) * element_size_, chunk_size(owned), k, dtype_);
+    }
   }
   if (step_ >= 2 * (k - 1)) {
     return {};
@@ -175,26 +189,29 @@ std::vector<MPI_Request> RingAllreduce::next() {
   const int left = (index_ - 1 + k) % k;
   int send_chunk, recv_chunk;
   char* recv_into;
+  const char* send_from;
   if (step_ < k - 1) {  // reduce-scatter
     const int s = step_;
     send_chunk = ((index_ - s) % k + k) % k;
     recv_chunk = ((index_ - s - 1) % k + k) % k;
     recv_into = scratch_.data.get();
     pending_chunk_ = recv_chunk;
+    // The first step sends this rank's own input; later ones the partial sums.
+    send_from = (s == 0 ? input_ : data_) + chunk_begin(send_chunk) * element_size_;
   } else {  // all-gather of the reduced chunks
     const int s = step_ - (k - 1);
     send_chunk = ((index_ + 1 - s) % k + k) % k;
     recv_chunk = ((index_ - s) % k + k) % k;
     recv_into = data_ + chunk_begin(recv_chunk) * element_size_;
+    send_from = data_ + chunk_begin(send_chunk) * element_size_;
   }
   ++step_;
   MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   check(MPI_Irecv(recv_into, static_cast<int>(chunk_size(recv_chunk) * element_size_), MPI_BYTE,
                   left, tag_, comm_, &requests[0]),
         "MPI_Irecv");
-  check(MPI_Isend(data_ + chunk_begin(send_chunk) * element_size_,
-                  static_cast<int>(chunk_size(send_chunk) * element_size_), MPI_BYTE, right, tag_,
-                  comm_, &requests[1]),
+  check(MPI_Isend(send_from, static_cast<int>(chunk_size(send_chunk) * element_size_), MPI_BYTE,
+                  right, tag_, comm_, &requests[1]),
         "MPI_Isend");
   return {requests[0], requests[1]};
 }

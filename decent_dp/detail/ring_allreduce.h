@@ -44,16 +44,18 @@ class ScratchPool {
   std::vector<Buffer> free_;
 };
 
-// dst[i] += src[i] for n elements of dtype (float32, float64, bfloat16, float16, int32,
-// int64).
-void add_into(void* dst, const void* src, int64_t n, c10::ScalarType dtype);
+// out[i] = a[i] + b[i] for n elements of dtype (float32, float64, bfloat16, float16, int32,
+// int64); `out` may be `a`.
+void add_out(void* out, const void* a, const void* b, int64_t n, c10::ScalarType dtype);
 // p[i] /= k in the tensor's dtype (float math for 16-bit floats).
 void divide_by(void* p, int64_t n, int64_t k, c10::ScalarType dtype);
 
 class RingAllreduce {
  public:
-  RingAllreduce(char* data, int64_t numel, c10::ScalarType dtype, MPI_Comm comm, int index,
-                int size, int tag, ScratchPool& pool);
+  // Reduces `input` over the group into `output` (they may be the same buffer); with
+  // `average`, divides by the group size.
+  RingAllreduce(const char* input, char* output, int64_t numel, c10::ScalarType dtype, bool average,
+                MPI_Comm comm, int index, int size, int tag, ScratchPool& pool);
   ~RingAllreduce();
 
   // Posts the next step's messages and returns their requests; returns none when the
@@ -64,7 +66,9 @@ class RingAllreduce {
   int64_t chunk_begin(int c) const { return offsets_[c]; }
   int64_t chunk_size(int c) const { return offsets_[c + 1] - offsets_[c]; }
 
-  char* data_;
+  const char* input_;
+  char* data_;  // the output
+  bool average_;
   int64_t element_size_;
   c10::ScalarType dtype_;
   MPI_Comm comm_;

@@ -8,6 +8,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cstring>
 #include <thread>
 
 #include "decent_dp/errors.h"
@@ -78,6 +79,10 @@ int64_t count_wrong_any(const at::Tensor& t, const std::vector<int>& ranks, Redu
     default:
       return -1;
   }
+}
+
+bool torch_equal_bytes(const at::Tensor& a, const at::Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
 }
 
 bool is_power_of_two(int n) {
@@ -330,4 +335,24 @@ TEST_CASE("every member of a group ends with bit-identical results", "[mpi]") {
                 .equal(gathered.narrow(0, 0, bytes.numel())));
     }
   }
+}
+
+TEST_CASE("out-of-place all-reduce leaves the input alone", "[mpi]") {
+  auto& c = comm();
+  const int n = c.size();
+  auto topo = topology::make_topology(n % 2 == 0 ? "ring" : "complete", n, 1);
+  c.make_groups(topo->distinct_groups());
+  for (int s = 0; s < topo->period(); ++s) {
+    const auto& group = topo->group_of(c.rank(), s);
+    for (int64_t numel : {int64_t{1}, int64_t{1000}, int64_t{77777}}) {
+      auto in = make_input(c.rank(), numel, at::kFloat);
+      const auto before = in.clone();
+      auto out = at::full({numel}, -1.0f, at::kFloat);
+      c.allreduce(in, out, group.ranks, ReduceOp::kAvg)->wait();
+      CHECK(torch_equal_bytes(in, before));
+      CHECK(count_wrong_any(out, group.ranks, ReduceOp::kAvg) == 0);
+    }
+  }
+  CHECK_THROWS_WITH(c.allreduce(at::zeros({4}), at::zeros({5}), {c.rank()}, ReduceOp::kSum),
+                    Catch::Contains("output must have the input's dtype and size"));
 }

@@ -1,0 +1,195 @@
+// step_bench: time per training step of local training (no communication), classic
+// all-reduce DistributedDataParallel, and DecentralizedDataParallel for each topology the
+// world size allows — same model, same optimizer, same data sizes, run side by side.
+//
+//   mpirun -n 2 build/bin/step_bench [--model conv|mlp] [--steps 10] [--batch 16] [--threads 1]
+//
+// Every rank trains at the same time in every case, so the machine is equally loaded; the
+// time of a case is the slowest rank's mean over the timed steps.
+#define OMPI_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <fstream>
+
+#include "decent_dp/decent_dp.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A VGG-style convolutional network for 32x32 images: 10.5 M parameters.
+torch::nn::Sequential make_conv() {
+  torch::manual_seed(0);
+  torch::nn::Sequential s;
+  int64_t in = 3;
+  const int64_t widths[] = {64, 128, 256, 512, 512, 512};
+  for (int i = 0; i < 6; ++i) {
+    s->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(in, widths[i], 3).padding(1).bias(false)));
+    s->push_back(torch::nn::BatchNorm2d(widths[i]));
+    s->push_back(torch::nn::ReLU());
+    if (i < 4) s->push_back(torch::nn::MaxPool2d(2));
+    in = widths[i];
+  }
+  s->push_back(torch::nn::Flatten());
+  s->push_back(torch::nn::Linear(512 * 2 * 2, 2048));
+  s->push_back(torch::nn::ReLU());
+  s->push_back(torch::nn::Linear(2048, 10));
+  return s;
+}
+
+// A multi-layer perceptron: 21 M parameters.
+torch::nn::Sequential make_mlp() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(torch::nn::Linear(1024, 4096), torch::nn::ReLU(),
+                               torch::nn::Linear(4096, 4096), torch::nn::ReLU(),
+                               torch::nn::Linear(4096, 10));
+}
+
+int64_t count(torch::nn::Module& m) {
+  int64_t n = 0;
+  for (const auto& p : m.parameters()) n += p.numel();
+  return n;
+}
+
+double slowest(double ms) {
+  double out = 0;
+  MPI_Allreduce(&ms, &out, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"decent_dp step time: local vs DistributedDataParallel vs DecentralizedDataParallel"};
+  std::string model_name = "conv";
+  int steps = 5, warmup = 3, batch = 16, threads = 1, rounds = 5;
+  std::vector<std::string> topologies = {"complete", "ring", "exp", "aer"};
+  std::string json_path;
+  app.add_option("--model", model_name, "conv or mlp")->check(CLI::IsMember({"conv", "mlp"}));
+  app.add_option("--steps", steps, "timed steps per case and round")->check(CLI::PositiveNumber);
+  app.add_option("--rounds", rounds, "rounds over all cases")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
+  app.add_option("--batch", batch, "samples per rank and step")->check(CLI::PositiveNumber);
+  app.add_option("--threads", threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
+  app.add_option("-t,--topology", topologies, "topologies (skipped when n does not fit)");
+  app.add_option("-J,--json", json_path, "also write the results as JSON");
+  CLI11_PARSE(app, argc, argv);
+  at::set_num_threads(threads);
+
+  auto comm = decent_dp::default_communicator();
+  const int rank = comm->rank(), n = comm->size();
+  const bool conv = model_name == "conv";
+  auto make = [&] { return conv ? make_conv() : make_mlp(); };
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(rank + 1);
+  const auto x = conv ? at::randn({batch, 3, 32, 32}, gen) : at::randn({batch, 1024}, gen);
+  const auto y = at::randint(0, 10, {batch}, gen);
+  auto optim_fn = decent_dp::optim::adamw();
+  {
+    auto probe = make();
+    if (rank == 0) {
+      fmt::print("# step_bench: {} ({} parameters), {} ranks, batch {} per rank, {} thread(s) per "
+                 "rank, AdamW, {} rounds of {} steps per case after {} warm-up steps\n",
+                 model_name, count(*probe), n, batch, threads, rounds, steps, warmup);
+    }
+  }
+  // Every case is built first; then `rounds` rounds each run every case for `steps` steps, so
+  // load changes on the machine hit all cases alike. A case's time is the median over rounds
+  // of the slowest rank's mean step time.
+  struct Case {
+    std::string name;
+    std::function<void()> step;
+    std::function<void()> finish;
+    std::vector<double> ms;
+  };
+  std::vector<Case> cases;
+  std::vector<std::shared_ptr<void>> keep;  // models, optimizers and wrappers of the cases
+  auto local_case = [&](bool barrier) {
+    auto net = make();
+    decent_dp::optim::NamedParams named;
+    for (const auto& p : net->named_parameters()) named.emplace_back(p.key(), p.value());
+    std::shared_ptr<torch::optim::Optimizer> opt = optim_fn(named);
+    keep.push_back(net.ptr());
+    keep.push_back(opt);
+    cases.push_back({barrier ? "local + barrier after each step" : "local (no communication)",
+                     [net, opt, barrier, &x, &y, comm]() mutable {
+                       opt->zero_grad();
+                       torch::cross_entropy_loss(net->forward(x), y).backward();
+                       opt->step();
+                       if (barrier) comm->barrier();
+                     },
+                     [] {}, {}});
+  };
+  local_case(false);
+  // The same with every rank waiting for the others after each step: the cost of coupling
+  // ranks step by step on this machine, without moving any data.
+  local_case(true);
+  {
+    auto model = std::make_shared<decent_dp::DistributedDataParallel<torch::nn::Sequential>>(
+        make(), decent_dp::DataParallelOptions(), optim_fn, nullptr, comm);
+    keep.push_back(model);
+    cases.push_back({"DistributedDataParallel (all-reduce)",
+                     [model, &x, &y] { torch::cross_entropy_loss(model->forward(x), y).backward(); },
+                     [model] { model->synchronize(); }, {}});
+  }
+  for (const auto& t : topologies) {
+    decent_dp::DataParallelOptions options;
+    options.topology = t;
+    options.local_world_size = t == "aer" ? std::max(2, n / 2) : 1;
+    std::shared_ptr<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>> model;
+    try {
+      model = std::make_shared<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>>(
+          make(), options, optim_fn, nullptr, comm);
+    } catch (const decent_dp::InvalidArgument& e) {
+      if (rank == 0) fmt::print("# skipping {}: {}\n", t, e.what());
+      continue;
+    }
+    keep.push_back(model);
+    cases.push_back({"DecentralizedDataParallel " + model->topology().name(),
+                     [model, &x, &y] { torch::cross_entropy_loss(model->forward(x), y).backward(); },
+                     [model] { model->synchronize(); }, {}});
+  }
+  for (auto& c : cases) {
+    for (int i = 0; i < warmup; ++i) c.step();
+    c.finish();
+  }
+  for (int r = 0; r < rounds; ++r) {
+    for (auto& c : cases) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      const auto t0 = Clock::now();
+      for (int i = 0; i < steps; ++i) c.step();
+      c.finish();
+      c.ms.push_back(
+          slowest(std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / steps));
+    }
+  }
+  nlohmann::json rows = nlohmann::json::array();
+  double local_ms = 0;
+  for (auto& c : cases) {
+    std::sort(c.ms.begin(), c.ms.end());
+    const double ms = c.ms[c.ms.size() / 2];
+    if (local_ms == 0) local_ms = ms;
+    if (rank == 0) {
+      fmt::print("{:<40} {:>9.1f} ms/step  {:>6.3f}x local   (rounds: {:.1f} .. {:.1f})\n", c.name,
+                 ms, ms / local_ms, c.ms.front(), c.ms.back());
+    }
+    rows.push_back({{"case", c.name}, {"ms_per_step", ms}, {"ratio_to_local", ms / local_ms},
+                    {"rounds_ms", c.ms}});
+  }
+  if (rank == 0 && !json_path.empty()) {
+    std::ofstream(json_path) << nlohmann::json{{"model", model_name}, {"ranks", n}, {"batch", batch},
+                                               {"threads", threads}, {"rows", rows}}
+                                    .dump(2)
+                             << "\n";
+  }
+  return 0;
+}
