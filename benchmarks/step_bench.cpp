@@ -10,16 +10,16 @@
 #include <mpi.h>
 
 #include <ATen/Parallel.h>
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <torch/torch.h>
+#include <CLI/CLI.hpp>
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
-#include <functional>
 #include <fstream>
+#include <functional>
 
 #include "decent_dp/decent_dp.h"
 
@@ -34,10 +34,12 @@ torch::nn::Sequential make_conv() {
   int64_t in = 3;
   const int64_t widths[] = {64, 128, 256, 512, 512, 512};
   for (int i = 0; i < 6; ++i) {
-    s->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(in, widths[i], 3).padding(1).bias(false)));
+    s->push_back(
+        torch::nn::Conv2d(torch::nn::Conv2dOptions(in, widths[i], 3).padding(1).bias(false)));
     s->push_back(torch::nn::BatchNorm2d(widths[i]));
     s->push_back(torch::nn::ReLU());
-    if (i < 4) s->push_back(torch::nn::MaxPool2d(2));
+    if (i < 4)
+      s->push_back(torch::nn::MaxPool2d(2));
     in = widths[i];
   }
   s->push_back(torch::nn::Flatten());
@@ -57,7 +59,8 @@ torch::nn::Sequential make_mlp() {
 
 int64_t count(torch::nn::Module& m) {
   int64_t n = 0;
-  for (const auto& p : m.parameters()) n += p.numel();
+  for (const auto& p : m.parameters())
+    n += p.numel();
   return n;
 }
 
@@ -70,7 +73,8 @@ double slowest(double ms) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"decent_dp step time: local vs DistributedDataParallel vs DecentralizedDataParallel"};
+  CLI::App app{
+      "decent_dp step time: local vs DistributedDataParallel vs DecentralizedDataParallel"};
   std::string model_name = "conv";
   int steps = 5, warmup = 3, batch = 16, threads = 1, rounds = 5;
   std::vector<std::string> topologies = {"complete", "ring", "exp", "aer"};
@@ -97,9 +101,10 @@ int main(int argc, char** argv) {
   {
     auto probe = make();
     if (rank == 0) {
-      fmt::print("# step_bench: {} ({} parameters), {} ranks, batch {} per rank, {} thread(s) per "
-                 "rank, AdamW, {} rounds of {} steps per case after {} warm-up steps\n",
-                 model_name, count(*probe), n, batch, threads, rounds, steps, warmup);
+      fmt::print(
+          "# step_bench: {} ({} parameters), {} ranks, batch {} per rank, {} thread(s) per "
+          "rank, AdamW, {} rounds of {} steps per case after {} warm-up steps\n",
+          model_name, count(*probe), n, batch, threads, rounds, steps, warmup);
     }
   }
   // Every case is built first; then `rounds` rounds each run every case for `steps` steps, so
@@ -116,7 +121,8 @@ int main(int argc, char** argv) {
   auto local_case = [&](bool barrier) {
     auto net = make();
     decent_dp::optim::NamedParams named;
-    for (const auto& p : net->named_parameters()) named.emplace_back(p.key(), p.value());
+    for (const auto& p : net->named_parameters())
+      named.emplace_back(p.key(), p.value());
     std::shared_ptr<torch::optim::Optimizer> opt = optim_fn(named);
     keep.push_back(net.ptr());
     keep.push_back(opt);
@@ -125,9 +131,11 @@ int main(int argc, char** argv) {
                        opt->zero_grad();
                        torch::cross_entropy_loss(net->forward(x), y).backward();
                        opt->step();
-                       if (barrier) comm->barrier();
+                       if (barrier)
+                         comm->barrier();
                      },
-                     [] {}, {}});
+                     [] {},
+                     {}});
   };
   local_case(false);
   // The same with every rank waiting for the others after each step: the cost of coupling
@@ -137,9 +145,11 @@ int main(int argc, char** argv) {
     auto model = std::make_shared<decent_dp::DistributedDataParallel<torch::nn::Sequential>>(
         make(), decent_dp::DataParallelOptions(), optim_fn, nullptr, comm);
     keep.push_back(model);
-    cases.push_back({"DistributedDataParallel (all-reduce)",
-                     [model, &x, &y] { torch::cross_entropy_loss(model->forward(x), y).backward(); },
-                     [model] { model->synchronize(); }, {}});
+    cases.push_back(
+        {"DistributedDataParallel (all-reduce)",
+         [model, &x, &y] { torch::cross_entropy_loss(model->forward(x), y).backward(); },
+         [model] { model->synchronize(); },
+         {}});
   }
   for (const auto& t : topologies) {
     decent_dp::DataParallelOptions options;
@@ -150,23 +160,28 @@ int main(int argc, char** argv) {
       model = std::make_shared<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>>(
           make(), options, optim_fn, nullptr, comm);
     } catch (const decent_dp::InvalidArgument& e) {
-      if (rank == 0) fmt::print("# skipping {}: {}\n", t, e.what());
+      if (rank == 0)
+        fmt::print("# skipping {}: {}\n", t, e.what());
       continue;
     }
     keep.push_back(model);
-    cases.push_back({"DecentralizedDataParallel " + model->topology().name(),
-                     [model, &x, &y] { torch::cross_entropy_loss(model->forward(x), y).backward(); },
-                     [model] { model->synchronize(); }, {}});
+    cases.push_back(
+        {"DecentralizedDataParallel " + model->topology().name(),
+         [model, &x, &y] { torch::cross_entropy_loss(model->forward(x), y).backward(); },
+         [model] { model->synchronize(); },
+         {}});
   }
   for (auto& c : cases) {
-    for (int i = 0; i < warmup; ++i) c.step();
+    for (int i = 0; i < warmup; ++i)
+      c.step();
     c.finish();
   }
   for (int r = 0; r < rounds; ++r) {
     for (auto& c : cases) {
       MPI_Barrier(MPI_COMM_WORLD);
       const auto t0 = Clock::now();
-      for (int i = 0; i < steps; ++i) c.step();
+      for (int i = 0; i < steps; ++i)
+        c.step();
       c.finish();
       c.ms.push_back(
           slowest(std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / steps));
@@ -177,17 +192,23 @@ int main(int argc, char** argv) {
   for (auto& c : cases) {
     std::sort(c.ms.begin(), c.ms.end());
     const double ms = c.ms[c.ms.size() / 2];
-    if (local_ms == 0) local_ms = ms;
+    if (local_ms == 0)
+      local_ms = ms;
     if (rank == 0) {
       fmt::print("{:<40} {:>9.1f} ms/step  {:>6.3f}x local   (rounds: {:.1f} .. {:.1f})\n", c.name,
                  ms, ms / local_ms, c.ms.front(), c.ms.back());
     }
-    rows.push_back({{"case", c.name}, {"ms_per_step", ms}, {"ratio_to_local", ms / local_ms},
+    rows.push_back({{"case", c.name},
+                    {"ms_per_step", ms},
+                    {"ratio_to_local", ms / local_ms},
                     {"rounds_ms", c.ms}});
   }
   if (rank == 0 && !json_path.empty()) {
-    std::ofstream(json_path) << nlohmann::json{{"model", model_name}, {"ranks", n}, {"batch", batch},
-                                               {"threads", threads}, {"rows", rows}}
+    std::ofstream(json_path) << nlohmann::json{{"model", model_name},
+                                               {"ranks", n},
+                                               {"batch", batch},
+                                               {"threads", threads},
+                                               {"rows", rows}}
                                     .dump(2)
                              << "\n";
   }

@@ -5,8 +5,8 @@
 //
 //   mpirun -n 4 --oversubscribe build/bin/decentralized_training --topology ring --steps 200
 #include <ATen/Parallel.h>
-#include <CLI/CLI.hpp>
 #include <torch/torch.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 
@@ -42,8 +42,8 @@ int main(int argc, char** argv) {
 
   auto comm = decent_dp::default_communicator();
   torch::manual_seed(0);
-  auto net = torch::nn::Sequential(torch::nn::Linear(16, 64), torch::nn::Tanh(),
-                                   torch::nn::Linear(64, 4));
+  auto net =
+      torch::nn::Sequential(torch::nn::Linear(16, 64), torch::nn::Tanh(), torch::nn::Linear(64, 4));
   decent_dp::DataParallelOptions options;
   options.topology = topology;
   options.local_world_size = lws;
@@ -78,7 +78,8 @@ int main(int argc, char** argv) {
                   comm->size(), model.topology().name().c_str());
     }
   } catch (const decent_dp::InvalidArgument& e) {
-    if (comm->rank() == 0) std::fprintf(stderr, "error: %s\n", e.what());
+    if (comm->rank() == 0)
+      std::fprintf(stderr, "error: %s\n", e.what());
     return 2;
   }
   return 0;

@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -106,6 +107,16 @@ class Simulator {
         if (!p.grad().defined())
           p.mutable_grad() = torch::zeros_like(p);
       }
+      if (clip_norm_ > 0) {  // one bucket: the norm over all gradients
+        double sq = 0;
+        for (auto& p : models_[i]->parameters())
+          sq += p.grad().pow(2).sum().item<double>();
+        const double coef = clip_norm_ / (std::sqrt(sq) + 1e-6);
+        if (coef < 1) {
+          for (auto& p : models_[i]->parameters())
+            p.mutable_grad().mul_(coef);
+        }
+      }
       optimizers_[i]->step();
       if (!schedulers_.empty())
         schedulers_[i]->step();
@@ -115,6 +126,8 @@ class Simulator {
 
   torch::nn::Module& model(int i) { return *models_[i]; }
   void set_adaptive_factor(double a) { adaptive_ = a; }
+  // Clips every replica's whole gradient (the wrapper with a single bucket).
+  void set_clip_norm(double c) { clip_norm_ = c; }
 
  private:
   std::unique_ptr<topology::Topology> topo_;
@@ -124,6 +137,7 @@ class Simulator {
   std::vector<std::unique_ptr<torch::optim::LRScheduler>> schedulers_;
   int64_t updates_ = 0;
   double adaptive_ = 1.0;
+  double clip_norm_ = 0.0;
 };
 
 }  // namespace testing

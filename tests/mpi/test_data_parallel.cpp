@@ -168,6 +168,82 @@ TEST_CASE("SGD with momentum and an adaptive factor match the simulator", "[ddp]
                     Catch::Contains("a must be in [0, 1], got 1.5"));
 }
 
+TEST_CASE("stock torch::optim, copies instead of views, and gradient clipping match too", "[ddp]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  const std::string name = n % 2 == 0 ? "ring" : "complete";
+  // A stock torch::optim optimizer through a factory.
+  optim::OptimFn stock = [](const NamedParams& named) -> std::unique_ptr<torch::optim::Optimizer> {
+    std::vector<at::Tensor> params;
+    for (const auto& np : named)
+      params.push_back(np.second);
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
+  };
+  struct Variant {
+    const char* what;
+    bool as_view;
+    double clip;
+  };
+  for (const Variant v :
+       {Variant{"stock Adam", true, 0.0}, Variant{"param_as_bucket_view = false", false, 0.0},
+        Variant{"grad_clip_norm", true, 0.05}}) {
+    INFO("rank " << rank << " " << v.what);
+    auto net = make_mlp();
+    DataParallelOptions opts = small_buckets(name, 1);
+    opts.param_as_bucket_view = v.as_view;
+    if (v.clip > 0) {
+      opts.grad_clip_norm = v.clip;
+      opts.bucket_cap_mb = 25;  // one bucket, so the simulator's whole-model clip is the same
+    }
+    DecentralizedDataParallel<torch::nn::Sequential> model(net, opts, stock, nullptr,
+                                                           shared_comm());
+    testing::Simulator sim([] { return make_mlp().ptr(); }, n, name, 1, stock);
+    sim.set_clip_norm(v.clip);
+    for (int step = 0; step < 10; ++step) {
+      auto b = batch_for(false, rank, step);
+      torch::mse_loss(model.forward(b.x), b.y).backward();
+      sim.step(
+          [&](torch::nn::Module& m, int r, int s) {
+            auto bb = batch_for(false, r, s);
+            return torch::mse_loss(static_cast<torch::nn::SequentialImpl&>(m).forward(bb.x), bb.y);
+          },
+          step);
+    }
+    model.synchronize();
+    check_matches(*net, sim.model(rank), 1e-5);
+    if (!v.as_view) {
+      // The model's tensors kept their own storage.
+      for (const auto& p : net->parameters()) {
+        CHECK_FALSE(p.is_alias_of(model.bucket_storage(0).params));
+      }
+    }
+  }
+}
+
+TEST_CASE("global_avg averages floating buffers when asked", "[ddp]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  auto net = make_cnn();
+  DataParallelOptions opts;
+  opts.sync_buffers_in_global_avg = true;
+  DecentralizedDataParallel<torch::nn::Sequential> model(net, opts, optim::adamw(), nullptr,
+                                                         shared_comm());
+  for (int step = 0; step < 3; ++step) {
+    auto b = batch_for(true, rank, step);
+    torch::mse_loss(model.forward(b.x), b.y).backward();
+  }
+  auto running_mean = net->named_buffers()["1.running_mean"].clone();
+  auto gathered = torch::empty({running_mean.numel() * n});
+  comm().allgather(gathered, running_mean)->wait();
+  const auto mean = gathered.view({n, running_mean.numel()}).mean(0);
+  model.global_avg(/*will_revert=*/true);
+  CHECK(relative_error(net->named_buffers()["1.running_mean"], mean) <= 1e-6);
+  model.revert_global_avg();
+  CHECK(torch::equal(net->named_buffers()["1.running_mean"], running_mean));
+  // The integer counters are left alone.
+  CHECK(net->named_buffers()["1.num_batches_tracked"].item<int64_t>() == 3);
+}
+
 TEST_CASE("classic all-reduce equals one process on the union of the batches", "[ddp]") {
   const int n = comm().size();
   const int rank = comm().rank();
