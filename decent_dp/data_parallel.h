@@ -13,6 +13,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "decent_dp/bucket.h"
@@ -190,4 +191,30 @@ std::shared_ptr<torch::nn::Module> module_ptr(const torch::nn::ModuleHolder<T>& 
 }
 
 }  // namespace detail
+
+// The header-template part of both wrappers: holds the user's module and forwards to its
+// forward(). `ModuleType` is what the user holds: std::shared_ptr<Impl> or a module holder
+// such as torch::nn::Sequential.
+template <typename ModuleType>
+class WrappedModule : public DataParallelCore {
+ public:
+  WrappedModule(ModuleType module, DataParallelOptions options, OptimFn optim_fn,
+                LrSchedulerFn scheduler_fn, std::shared_ptr<Communicator> comm, ExchangeMode mode)
+      : DataParallelCore(detail::module_ptr(module), std::move(options), std::move(optim_fn),
+                         std::move(scheduler_fn), std::move(comm), mode),
+        module_(std::move(module)) {}
+
+  // Counts the step (training mode only), then calls the wrapped module's forward with the
+  // arguments unchanged.
+  template <typename... Args>
+  decltype(auto) forward(Args&&... args) {
+    before_forward();
+    return module_->forward(std::forward<Args>(args)...);
+  }
+
+  ModuleType& module() { return module_; }
+
+ private:
+  ModuleType module_;
+};
 }  // namespace decent_dp

@@ -20,27 +20,15 @@
 
 namespace decent_dp {
 
-// `ModuleType` is what the user holds: std::shared_ptr<Impl> or a module holder such as
-// torch::nn::Sequential; forward() forwards to its forward().
 template <typename ModuleType>
-class DecentralizedDataParallel : public DataParallelCore {
+class DecentralizedDataParallel : public WrappedModule<ModuleType> {
  public:
   DecentralizedDataParallel(ModuleType module, DataParallelOptions options, OptimFn optim_fn,
                             LrSchedulerFn scheduler_fn = nullptr,
                             std::shared_ptr<Communicator> comm = nullptr)
-      : DataParallelCore(detail::module_ptr(module), std::move(options), std::move(optim_fn),
-                         std::move(scheduler_fn), std::move(comm), ExchangeMode::kGossip),
-        module_(std::move(module)) {}
-
-  // Counts the step (training mode only), then calls the wrapped module's forward with the
-  // arguments unchanged.
-  template <typename... Args>
-  decltype(auto) forward(Args&&... args) {
-    before_forward();
-    return module_->forward(std::forward<Args>(args)...);
+      : WrappedModule<ModuleType>(std::move(module), std::move(options), std::move(optim_fn),
+                                  std::move(scheduler_fn), std::move(comm), ExchangeMode::kGossip) {
   }
-
-  ModuleType& module() { return module_; }
 
   // Waits for pending exchanges and replaces every rank's parameters (and floating buffers
   // with sync_buffers_in_global_avg) with the mean over all ranks. With will_revert,
@@ -48,17 +36,14 @@ class DecentralizedDataParallel : public DataParallelCore {
   // dropped and training continues from the mean. With return_d2c, returns this rank's L2
   // distance to the mean (0 otherwise). Collective.
   double global_avg(bool will_revert = true, bool return_d2c = false) {
-    return global_avg_impl(will_revert, return_d2c);
+    return this->global_avg_impl(will_revert, return_d2c);
   }
-  void revert_global_avg() { revert_global_avg_impl(); }
+  void revert_global_avg() { this->revert_global_avg_impl(); }
   // Mean over ranks of ||x_i - mean||^2; the same value on every rank. Collective.
-  double consensus_distance() { return consensus_distance_impl(); }
+  double consensus_distance() { return this->consensus_distance_impl(); }
   // x <- (1 - a) x + a mix(x), a in [0, 1] (default 1).
-  void set_adaptive_factor(double a) { set_adaptive_factor_impl(a); }
-  double adaptive_factor() const { return adaptive_factor_impl(); }
-
- private:
-  ModuleType module_;
+  void set_adaptive_factor(double a) { this->set_adaptive_factor_impl(a); }
+  double adaptive_factor() const { return this->adaptive_factor_impl(); }
 };
 
 }  // namespace decent_dp

@@ -12,25 +12,14 @@
 namespace decent_dp {
 
 template <typename ModuleType>
-class DistributedDataParallel : public DataParallelCore {
+class DistributedDataParallel : public WrappedModule<ModuleType> {
  public:
   DistributedDataParallel(ModuleType module, DataParallelOptions options, OptimFn optim_fn,
                           LrSchedulerFn scheduler_fn = nullptr,
                           std::shared_ptr<Communicator> comm = nullptr)
-      : DataParallelCore(detail::module_ptr(module), std::move(options), std::move(optim_fn),
-                         std::move(scheduler_fn), std::move(comm), ExchangeMode::kAllReduce),
-        module_(std::move(module)) {}
-
-  template <typename... Args>
-  decltype(auto) forward(Args&&... args) {
-    before_forward();
-    return module_->forward(std::forward<Args>(args)...);
-  }
-
-  ModuleType& module() { return module_; }
-
- private:
-  ModuleType module_;
+      : WrappedModule<ModuleType>(std::move(module), std::move(options), std::move(optim_fn),
+                                  std::move(scheduler_fn), std::move(comm),
+                                  ExchangeMode::kAllReduce) {}
 };
 
 }  // namespace decent_dp

@@ -168,14 +168,7 @@ at::Tensor AdamFamily<Options, kVariant>::step(LossClosure closure) {
     const auto& options = static_cast<const Options&>(group.options());
     check_options(options, variant_name(kVariant));
     std::vector<at::Tensor> params, grads;
-    for (const auto& p : group.params()) {
-      if (p.grad().defined()) {
-        DECENT_DP_CHECK_ARG(!p.grad().is_sparse(), variant_name(kVariant),
-                            ": sparse gradients are not supported");
-        params.push_back(p);
-        grads.push_back(p.grad());
-      }
-    }
+    params_with_grads(group.params(), variant_name(kVariant), params, grads);
     if (params.empty()) {
       continue;
     }

@@ -2,6 +2,8 @@
 
 #include <ATen/ops/zeros_like.h>
 
+#include "topology/errors.h"
+
 namespace decent_dp {
 namespace optim {
 
@@ -28,6 +30,19 @@ FlatCache::Entry* FlatCache::lookup(size_t group, const std::vector<at::Tensor>&
   c.flat = true;
   c.entry.layout = std::move(*layout);
   return &c.entry;
+}
+
+void params_with_grads(const std::vector<at::Tensor>& group_params, const char* optimizer,
+                       std::vector<at::Tensor>& params, std::vector<at::Tensor>& grads) {
+  params.clear();
+  grads.clear();
+  for (const auto& p : group_params) {
+    if (p.grad().defined()) {
+      DECENT_DP_CHECK_ARG(!p.grad().is_sparse(), optimizer, ": sparse gradients are not supported");
+      params.push_back(p);
+      grads.push_back(p.grad());
+    }
+  }
 }
 
 void bind_flat_state(const FlatLayout& layout, const std::vector<at::Tensor>& params,

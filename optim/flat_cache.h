@@ -34,6 +34,11 @@ class FlatCache {
   std::map<size_t, Cached> entries_;
 };
 
+// The parameters of `group_params` that have a gradient, and those gradients; throws for
+// sparse gradients, naming `optimizer`.
+void params_with_grads(const std::vector<at::Tensor>& group_params, const char* optimizer,
+                       std::vector<at::Tensor>& params, std::vector<at::Tensor>& grads);
+
 // Makes every per-parameter state tensor in `slots[k][i]` (state tensor k of parameter i)
 // a view into `blocks[k]`: values already held by a per-parameter tensor that is not yet a
 // view (a fresh block, or state loaded from an archive) are copied into the block first;

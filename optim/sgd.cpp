@@ -103,13 +103,7 @@ at::Tensor SGD::step(LossClosure closure) {
     const auto& o = static_cast<const SGDOptions&>(group.options());
     check_options(o);
     std::vector<at::Tensor> params, grads;
-    for (const auto& p : group.params()) {
-      if (p.grad().defined()) {
-        DECENT_DP_CHECK_ARG(!p.grad().is_sparse(), "SGD: sparse gradients are not supported");
-        params.push_back(p);
-        grads.push_back(p.grad());
-      }
-    }
+    params_with_grads(group.params(), "SGD", params, grads);
     if (params.empty()) {
       continue;
     }
