@@ -55,11 +55,13 @@ std::vector<BucketSpec> plan_buckets(const std::vector<BucketEntry>& entries, in
 }
 
 BucketStorage make_bucket_storage(const BucketSpec& spec, const std::vector<at::Tensor>& params,
-                                  bool as_view) {
+                                  bool as_view, bool bind_grads) {
   BucketStorage s;
   const auto options = at::TensorOptions().dtype(spec.dtype).device(spec.device);
   s.params = at::zeros({spec.numel}, options);
-  s.grads = at::zeros({spec.numel}, options);
+  if (bind_grads) {
+    s.grads = at::zeros({spec.numel}, options);
+  }
   s.comm = at::zeros({spec.numel}, options);
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& p = params[i];
@@ -72,16 +74,18 @@ BucketStorage make_bucket_storage(const BucketSpec& spec, const std::vector<at::
       return block.narrow(0, offset, p.numel()).view(p.sizes());
     };
     at::Tensor pv = view_of(s.params);
-    at::Tensor gv = view_of(s.grads);
+    at::Tensor gv = bind_grads ? view_of(s.grads) : at::Tensor();
     pv.copy_(p.detach());
     if (as_view) {
       const at::Tensor& g = p.grad();
-      if (g.defined()) {
+      if (g.defined() && bind_grads) {
         gv.copy_(g);
       }
       at::Tensor mutable_p = p;
       mutable_p.set_data(pv);
-      mutable_p.mutable_grad() = gv;
+      if (bind_grads) {
+        mutable_p.mutable_grad() = gv;
+      }
     }
     s.param_views.push_back(pv);
     s.grad_views.push_back(gv);

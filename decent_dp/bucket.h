@@ -57,8 +57,10 @@ struct BucketStorage {
 // (the bucket's parameters, in spec order). With `as_view`, each parameter's data becomes
 // its view (set_data) and its gradient the gradient view (an existing gradient is copied
 // in); otherwise the parameters keep their storage and the caller copies in and out.
+// With `bind_grads` false there is no gradient block and the gradients are left alone (the
+// caller only needs the parameter and communication blocks).
 BucketStorage make_bucket_storage(const BucketSpec& spec, const std::vector<at::Tensor>& params,
-                                  bool as_view);
+                                  bool as_view, bool bind_grads = true);
 
 // Summary for logs: "bucket 0: 3 params, 1.25 MiB (fc2.weight fc2.bias fc1.bias)".
 std::string describe_bucket(size_t index, const BucketSpec& spec,

@@ -1,0 +1,70 @@
+// DecentOptimWrapper: decentralized training behind a wrapped torch::optim::Optimizer, for
+// trainers that keep their own `zero_grad(); backward(); step();` loop (spec §10).
+//
+//   auto inner = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1));
+//   decent_dp::DecentOptimWrapper opt(inner, comm->rank(), comm->size(), comm->local_size(), "ring");
+//   torch::optim::StepLR sched(opt, /*step_size=*/30, 0.1);  // or attached to *inner
+//   for (...) { opt.zero_grad(); loss(...).backward(); opt.step(); }
+//
+// step(): waits for the exchange launched by the previous step() and replaces the parameters
+// with its group mean; runs the inner optimizer's step; launches the next exchange, on the
+// topology's group for this step (step count mod period); counts.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "decent_dp/bucket.h"
+#include "decent_dp/communicator.h"
+#include "topology/topology.h"
+
+namespace decent_dp {
+
+class DecentOptimWrapper : public torch::optim::Optimizer {
+ public:
+  // Collective. `rank`, `world_size` and `local_world_size` must describe this process
+  // (checked against the communicator; local_world_size sizes the topology). Parameters are
+  // flattened into buckets (param-group order, `bucket_cap_mb` cap) and broadcast from rank 0.
+  DecentOptimWrapper(std::shared_ptr<torch::optim::Optimizer> optimizer, int rank,
+                     int world_size, int local_world_size, const std::string& topology,
+                     double bucket_cap_mb = 25, std::shared_ptr<Communicator> comm = nullptr);
+  ~DecentOptimWrapper() override;
+
+  // Closures are rejected: the exchange must happen exactly once per step.
+  at::Tensor step(LossClosure closure = nullptr) override;
+  void zero_grad(bool set_to_none = true);
+
+  // Averages the parameters over all ranks (waiting for exchanges in flight). With
+  // may_revert, revert_global_avg() restores the exact local state; without it, exchanges
+  // in flight are dropped and training continues from the mean. Collective.
+  void global_avg(bool may_revert = true);
+  void revert_global_avg();
+
+  int64_t step_count() const { return steps_; }
+  torch::optim::Optimizer& inner() { return *inner_; }
+  const topology::Topology& topology() const { return *topology_; }
+  size_t bucket_count() const { return buckets_.size(); }
+
+ private:
+  struct Bucket {
+    BucketSpec spec;
+    BucketStorage storage;
+    std::shared_ptr<Work> work;
+  };
+  void sync_learning_rates();
+
+  std::shared_ptr<torch::optim::Optimizer> inner_;
+  std::shared_ptr<Communicator> comm_;
+  std::unique_ptr<topology::Topology> topology_;
+  std::vector<int> all_ranks_;
+  std::vector<Bucket> buckets_;
+  std::vector<double> last_lrs_;  // per group, to see which side a scheduler changed
+  std::vector<at::Tensor> backup_;
+  bool has_backup_ = false;
+  int64_t steps_ = 0;
+};
+
+}  // namespace decent_dp

@@ -1,0 +1,201 @@
+#include "torch_catch.h"
+
+#include <torch/torch.h>
+
+#include "decent_dp/decent_optim_wrapper.h"
+#include "mpi_test_util.h"
+
+using namespace decent_dp;
+using decent_dp::testing::comm;
+
+namespace {
+
+std::shared_ptr<Communicator> shared_comm() {
+  return std::shared_ptr<Communicator>(&comm(), [](Communicator*) {});
+}
+
+torch::nn::Sequential make_net() {
+  torch::manual_seed(5);
+  return torch::nn::Sequential(torch::nn::Linear(6, 12), torch::nn::Tanh(), torch::nn::Linear(12, 3));
+}
+
+at::Tensor loss_on(torch::nn::Sequential& net, int rank, int step) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(500 * rank + step + 7);
+  auto x = at::randn({5, 6}, gen);
+  auto y = at::randn({5, 3}, gen);
+  return torch::mse_loss(net->forward(x), y);
+}
+
+using MakeOptimizer = std::function<std::shared_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+
+bool power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
+
+double relative_error(const at::Tensor& a, const at::Tensor& b) {
+  const double ref = b.norm().item<double>();
+  return ref == 0 ? (a - b).norm().item<double>() : (a - b).norm().item<double>() / ref;
+}
+
+}  // namespace
+
+TEST_CASE("the optimizer wrapper follows the recursion of spec section 10", "[wrapper]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  std::vector<std::string> topologies = {"complete"};
+  if (n % 2 == 0 || n == 1) topologies.push_back("ring");
+  if (power_of_two(n)) topologies.push_back("exp");
+  const std::vector<std::pair<std::string, MakeOptimizer>> optimizers = {
+      {"SGD", [](std::vector<at::Tensor> p) {
+         return std::make_shared<torch::optim::SGD>(p, torch::optim::SGDOptions(0.05).momentum(0.9));
+       }},
+      {"Adam", [](std::vector<at::Tensor> p) {
+         return std::make_shared<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-2));
+       }}};
+  for (const auto& name : topologies) {
+    for (const auto& [opt_name, make_opt] : optimizers) {
+      INFO("rank " << rank << " topology " << name << " optimizer " << opt_name);
+      auto net = make_net();
+      DecentOptimWrapper opt(make_opt(net->parameters()), rank, n, 1, name, 1e-4, shared_comm());
+      for (int step = 0; step < 20; ++step) {
+        opt.zero_grad();
+        loss_on(net, rank, step).backward();
+        opt.step();
+      }
+      // The recursion, all replicas in one process: at step t, replace x by the group mean
+      // (slot t-1) of the values sent after step t-1, take the inner step with the gradient
+      // computed before the replacement, send the result on slot t.
+      auto topo = topology::make_topology(name, n, 1);
+      std::vector<torch::nn::Sequential> nets;
+      std::vector<std::shared_ptr<torch::optim::Optimizer>> opts;
+      for (int r = 0; r < n; ++r) {
+        nets.push_back(make_net());
+        opts.push_back(make_opt(nets.back()->parameters()));
+      }
+      std::vector<std::vector<at::Tensor>> sent(n);
+      for (int step = 0; step < 20; ++step) {
+        for (int r = 0; r < n; ++r) {
+          opts[r]->zero_grad();
+          loss_on(nets[r], r, step).backward();
+        }
+        torch::NoGradGuard no_grad;
+        for (int r = 0; r < n; ++r) {
+          if (step > 0) {
+            const auto& group = topo->group_of(r, step - 1);
+            auto params = nets[r]->parameters();
+            for (size_t k = 0; k < params.size(); ++k) {
+              at::Tensor mean = torch::zeros_like(params[k]);
+              for (int j : group.ranks) mean += sent[j][k];
+              params[k].copy_(mean / static_cast<double>(group.size()));
+            }
+          }
+        }
+        for (int r = 0; r < n; ++r) {
+          opts[r]->step();
+          sent[r].clear();
+          for (const auto& p : nets[r]->parameters()) sent[r].push_back(p.detach().clone());
+        }
+      }
+      auto mine = net->parameters();
+      auto ref = nets[rank]->parameters();
+      for (size_t k = 0; k < mine.size(); ++k) {
+        CHECK(relative_error(mine[k], ref[k]) <= 1e-5);
+      }
+      CHECK(opt.step_count() == 20);
+      CHECK(opt.bucket_count() > 1);  // 1e-4 MiB cap: several buckets
+    }
+  }
+}
+
+TEST_CASE("optimizer wrapper: global_avg, revert, schedulers", "[wrapper]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  const std::string name = n % 2 == 0 ? "ring" : "complete";
+  auto flat = [](torch::nn::Sequential& net) {
+    std::vector<at::Tensor> v;
+    for (auto& p : net->parameters()) v.push_back(p.detach().flatten());
+    return torch::cat(v);
+  };
+  auto train = [&](torch::nn::Sequential& net, DecentOptimWrapper& opt, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      opt.zero_grad();
+      loss_on(net, rank, step).backward();
+      opt.step();
+    }
+  };
+  auto ref_net = make_net();
+  DecentOptimWrapper ref(std::make_shared<torch::optim::Adam>(ref_net->parameters(), torch::optim::AdamOptions(1e-2)),
+                         rank, n, 1, name, 25, shared_comm());
+  train(ref_net, ref, 0, 10);
+  auto net = make_net();
+  DecentOptimWrapper opt(std::make_shared<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(1e-2)),
+                         rank, n, 1, name, 25, shared_comm());
+  train(net, opt, 0, 5);
+  const auto local = flat(net).clone();
+  opt.global_avg(/*may_revert=*/true);
+  auto gathered = torch::empty({local.numel() * n});
+  comm().allgather(gathered, flat(net).contiguous())->wait();
+  for (int r = 0; r < n; ++r) {
+    CHECK(torch::equal(gathered.view({n, local.numel()})[r], flat(net)));
+  }
+  opt.revert_global_avg();
+  CHECK(torch::equal(flat(net), local));
+  train(net, opt, 5, 10);
+  CHECK(torch::equal(flat(net), flat(ref_net)));  // bit for bit as without the call
+  CHECK_THROWS_WITH(opt.revert_global_avg(), Catch::Contains("no backup to restore"));
+  // Without revert, training continues from the mean: a step with zero gradients under
+  // plain SGD leaves the mean in place (an exchange still in flight would have replaced it).
+  auto net3 = make_net();
+  DecentOptimWrapper opt3(std::make_shared<torch::optim::SGD>(net3->parameters(), torch::optim::SGDOptions(0.1)),
+                          rank, n, 1, name, 25, shared_comm());
+  train(net3, opt3, 0, 3);
+  opt3.global_avg(/*may_revert=*/false);
+  const auto mean = flat(net3).clone();
+  opt3.zero_grad(/*set_to_none=*/false);
+  opt3.step();
+  CHECK(torch::equal(flat(net3), mean));
+  CHECK(opt3.step_count() == 4);
+
+  // A scheduler attached to the wrapper drives the inner optimizer's learning rate.
+  auto net2 = make_net();
+  auto inner = std::make_shared<torch::optim::SGD>(net2->parameters(), torch::optim::SGDOptions(0.1));
+  DecentOptimWrapper opt2(inner, rank, n, 1, name, 25, shared_comm());
+  torch::optim::StepLR sched(opt2, /*step_size=*/2, /*gamma=*/0.5);
+  for (int step = 0; step < 4; ++step) {
+    opt2.zero_grad();
+    loss_on(net2, rank, step).backward();
+    opt2.step();
+    sched.step();
+  }
+  opt2.zero_grad();
+  loss_on(net2, rank, 4).backward();
+  opt2.step();
+  // The same schedule on a plain optimizer.
+  auto plain_param = torch::zeros({1}, torch::requires_grad());
+  torch::optim::SGD plain(std::vector<at::Tensor>{plain_param}, torch::optim::SGDOptions(0.1));
+  torch::optim::StepLR plain_sched(plain, 2, 0.5);
+  for (int step = 0; step < 4; ++step) plain_sched.step();
+  CHECK(inner->param_groups()[0].options().get_lr() == plain.param_groups()[0].options().get_lr());
+  CHECK(inner->param_groups()[0].options().get_lr() < 0.1);
+}
+
+TEST_CASE("optimizer wrapper misuse", "[wrapper]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  auto net = make_net();
+  auto sgd = [&] {
+    return std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1));
+  };
+  if (n % 2 == 1 && n > 1) {
+    CHECK_THROWS_WITH(DecentOptimWrapper(sgd(), rank, n, 1, "ring", 25, shared_comm()),
+                      Catch::Contains("ring topology needs an even world size"));
+  }
+  CHECK_THROWS_WITH(
+      DecentOptimWrapper(std::make_shared<torch::optim::SGD>(std::vector<at::Tensor>{},
+                                                             torch::optim::SGDOptions(0.1)),
+                         rank, n, 1, "complete", 25, shared_comm()),
+      Catch::Contains("the optimizer has no parameters"));
+  CHECK_THROWS_WITH(DecentOptimWrapper(sgd(), rank + 1, n, 1, "complete", 25, shared_comm()),
+                    Catch::Contains("do not match the communicator"));
+  DecentOptimWrapper opt(sgd(), rank, n, 1, "complete", 25, shared_comm());
+  CHECK_THROWS_WITH(opt.step([] { return torch::zeros({}); }),
+                    Catch::Contains("closures are not supported"));
+}
