@@ -21,18 +21,19 @@ std::vector<torch::optim::OptimizerParamGroup> mirror_groups(torch::optim::Optim
 
 }  // namespace
 
-DecentOptimWrapper::DecentOptimWrapper(std::shared_ptr<torch::optim::Optimizer> optimizer,
-                                       int rank, int world_size, int local_world_size,
+DecentOptimWrapper::DecentOptimWrapper(std::shared_ptr<torch::optim::Optimizer> optimizer, int rank,
+                                       int world_size, int local_world_size,
                                        const std::string& topology, double bucket_cap_mb,
                                        std::shared_ptr<Communicator> comm)
     : Optimizer(mirror_groups(*optimizer), optimizer->param_groups().empty()
-                                                ? nullptr
-                                                : optimizer->param_groups()[0].options().clone()),
+                                               ? nullptr
+                                               : optimizer->param_groups()[0].options().clone()),
       inner_(std::move(optimizer)),
       comm_(comm ? std::move(comm) : default_communicator()) {
   DECENT_DP_CHECK_ARG(inner_ != nullptr, "DecentOptimWrapper: optimizer must not be null");
   size_t count = 0;
-  for (const auto& g : inner_->param_groups()) count += g.params().size();
+  for (const auto& g : inner_->param_groups())
+    count += g.params().size();
   DECENT_DP_CHECK_ARG(count > 0,
                       "DecentOptimWrapper: the optimizer has no parameters; expected at least "
                       "one parameter group with parameters");
@@ -40,12 +41,13 @@ DecentOptimWrapper::DecentOptimWrapper(std::shared_ptr<torch::optim::Optimizer> 
                       "DecentOptimWrapper: rank ", rank, " / world_size ", world_size,
                       " do not match the communicator's ", comm_->rank(), " / ", comm_->size());
   DECENT_DP_CHECK_ARG(local_world_size >= 1 && local_world_size <= world_size,
-                      "DecentOptimWrapper: local_world_size must be in [1, ", world_size,
-                      "], got ", local_world_size);
+                      "DecentOptimWrapper: local_world_size must be in [1, ", world_size, "], got ",
+                      local_world_size);
   DECENT_DP_CHECK_ARG(bucket_cap_mb > 0, "DecentOptimWrapper: bucket_cap_mb must be > 0, got ",
                       bucket_cap_mb);
   topology_ = topology::make_topology(topology, world_size, local_world_size);
-  for (int r = 0; r < world_size; ++r) all_ranks_.push_back(r);
+  for (int r = 0; r < world_size; ++r)
+    all_ranks_.push_back(r);
 
   // Buckets in parameter-group order.
   std::vector<at::Tensor> params;
@@ -65,16 +67,20 @@ DecentOptimWrapper::DecentOptimWrapper(std::shared_ptr<torch::optim::Optimizer> 
   std::vector<std::shared_ptr<Work>> works;
   for (const auto& spec : specs) {
     std::vector<at::Tensor> members;
-    for (size_t i : spec.params) members.push_back(params[i]);
+    for (size_t i : spec.params)
+      members.push_back(params[i]);
     Bucket b;
     b.spec = spec;
     b.storage = make_bucket_storage(spec, members, /*as_view=*/true, /*bind_grads=*/false);
     buckets_.push_back(std::move(b));
   }
-  for (auto& b : buckets_) works.push_back(comm_->broadcast(b.storage.params, 0));
-  for (auto& w : works) w->wait();
+  for (auto& b : buckets_)
+    works.push_back(comm_->broadcast(b.storage.params, 0));
+  for (auto& w : works)
+    w->wait();
   comm_->make_groups(topology_->distinct_groups());
-  for (auto& g : param_groups_) last_lrs_.push_back(g.options().get_lr());
+  for (auto& g : param_groups_)
+    last_lrs_.push_back(g.options().get_lr());
 }
 
 DecentOptimWrapper::~DecentOptimWrapper() {
@@ -127,23 +133,29 @@ at::Tensor DecentOptimWrapper::step(LossClosure closure) {
   return {};
 }
 
-void DecentOptimWrapper::zero_grad(bool set_to_none) { inner_->zero_grad(set_to_none); }
+void DecentOptimWrapper::zero_grad(bool set_to_none) {
+  inner_->zero_grad(set_to_none);
+}
 
 void DecentOptimWrapper::global_avg(bool may_revert) {
   torch::NoGradGuard no_grad;
   for (auto& b : buckets_) {
-    if (b.work) b.work->wait();
+    if (b.work)
+      b.work->wait();
   }
   backup_.clear();
   has_backup_ = may_revert;
   std::vector<std::shared_ptr<Work>> works;
   for (auto& b : buckets_) {
-    if (may_revert) backup_.push_back(b.storage.params.clone());
+    if (may_revert)
+      backup_.push_back(b.storage.params.clone());
     works.push_back(comm_->allreduce(b.storage.params, all_ranks_, ReduceOp::kAvg));
   }
-  for (auto& w : works) w->wait();
+  for (auto& w : works)
+    w->wait();
   if (!may_revert) {
-    for (auto& b : buckets_) b.work.reset();  // continue from the mean
+    for (auto& b : buckets_)
+      b.work.reset();  // continue from the mean
   }
 }
 
@@ -152,7 +164,8 @@ void DecentOptimWrapper::revert_global_avg() {
                       "revert_global_avg: there is no backup to restore; call "
                       "global_avg(may_revert = true) first");
   torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < buckets_.size(); ++i) buckets_[i].storage.params.copy_(backup_[i]);
+  for (size_t i = 0; i < buckets_.size(); ++i)
+    buckets_[i].storage.params.copy_(backup_[i]);
   backup_.clear();
   has_backup_ = false;
 }

@@ -1,10 +1,11 @@
 // DecentOptimWrapper: decentralized training behind a wrapped torch::optim::Optimizer, for
 // trainers that keep their own `zero_grad(); backward(); step();` loop (spec §10).
 //
-//   auto inner = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1));
-//   decent_dp::DecentOptimWrapper opt(inner, comm->rank(), comm->size(), comm->local_size(), "ring");
-//   torch::optim::StepLR sched(opt, /*step_size=*/30, 0.1);  // or attached to *inner
-//   for (...) { opt.zero_grad(); loss(...).backward(); opt.step(); }
+//   auto inner = std::make_shared<torch::optim::SGD>(net->parameters(),
+//   torch::optim::SGDOptions(0.1)); decent_dp::DecentOptimWrapper opt(inner, comm->rank(),
+//   comm->size(), comm->local_size(), "ring"); torch::optim::StepLR sched(opt, /*step_size=*/30,
+//   0.1);  // or attached to *inner for (...) { opt.zero_grad(); loss(...).backward(); opt.step();
+//   }
 //
 // step(): waits for the exchange launched by the previous step() and replaces the parameters
 // with its group mean; runs the inner optimizer's step; launches the next exchange, on the
@@ -28,9 +29,9 @@ class DecentOptimWrapper : public torch::optim::Optimizer {
   // Collective. `rank`, `world_size` and `local_world_size` must describe this process
   // (checked against the communicator; local_world_size sizes the topology). Parameters are
   // flattened into buckets (param-group order, `bucket_cap_mb` cap) and broadcast from rank 0.
-  DecentOptimWrapper(std::shared_ptr<torch::optim::Optimizer> optimizer, int rank,
-                     int world_size, int local_world_size, const std::string& topology,
-                     double bucket_cap_mb = 25, std::shared_ptr<Communicator> comm = nullptr);
+  DecentOptimWrapper(std::shared_ptr<torch::optim::Optimizer> optimizer, int rank, int world_size,
+                     int local_world_size, const std::string& topology, double bucket_cap_mb = 25,
+                     std::shared_ptr<Communicator> comm = nullptr);
   ~DecentOptimWrapper() override;
 
   // Closures are rejected: the exchange must happen exactly once per step.

@@ -3,8 +3,8 @@
 //
 //   mpirun -n 4 --oversubscribe build/bin/optim_wrapper --topology ring --steps 120
 #include <ATen/Parallel.h>
-#include <CLI/CLI.hpp>
 #include <torch/torch.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 
@@ -21,11 +21,11 @@ int main(int argc, char** argv) {
 
   auto comm = decent_dp::default_communicator();
   torch::manual_seed(0);
-  auto net = torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(),
-                                   torch::nn::Linear(32, 1));
+  auto net =
+      torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(), torch::nn::Linear(32, 1));
   try {
-    auto sgd = std::make_shared<torch::optim::SGD>(
-        net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(),
+                                                   torch::optim::SGDOptions(0.05).momentum(0.9));
     decent_dp::DecentOptimWrapper optimizer(sgd, comm->rank(), comm->size(), comm->local_size(),
                                             topology);
     torch::optim::StepLR scheduler(optimizer, /*step_size=*/steps / 3, /*gamma=*/0.3);
@@ -53,7 +53,8 @@ int main(int argc, char** argv) {
                   static_cast<long long>(optimizer.step_count()), comm->size());
     }
   } catch (const decent_dp::InvalidArgument& e) {
-    if (comm->rank() == 0) std::fprintf(stderr, "error: %s\n", e.what());
+    if (comm->rank() == 0)
+      std::fprintf(stderr, "error: %s\n", e.what());
     return 2;
   }
   return 0;

@@ -16,7 +16,8 @@ std::shared_ptr<Communicator> shared_comm() {
 
 torch::nn::Sequential make_net() {
   torch::manual_seed(5);
-  return torch::nn::Sequential(torch::nn::Linear(6, 12), torch::nn::Tanh(), torch::nn::Linear(12, 3));
+  return torch::nn::Sequential(torch::nn::Linear(6, 12), torch::nn::Tanh(),
+                               torch::nn::Linear(12, 3));
 }
 
 at::Tensor loss_on(torch::nn::Sequential& net, int rank, int step) {
@@ -26,9 +27,12 @@ at::Tensor loss_on(torch::nn::Sequential& net, int rank, int step) {
   return torch::mse_loss(net->forward(x), y);
 }
 
-using MakeOptimizer = std::function<std::shared_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+using MakeOptimizer =
+    std::function<std::shared_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
 
-bool power_of_two(int n) { return n > 0 && (n & (n - 1)) == 0; }
+bool power_of_two(int n) {
+  return n > 0 && (n & (n - 1)) == 0;
+}
 
 double relative_error(const at::Tensor& a, const at::Tensor& b) {
   const double ref = b.norm().item<double>();
@@ -41,11 +45,15 @@ TEST_CASE("the optimizer wrapper follows the recursion of spec section 10", "[wr
   const int n = comm().size();
   const int rank = comm().rank();
   std::vector<std::string> topologies = {"complete"};
-  if (n % 2 == 0 || n == 1) topologies.push_back("ring");
-  if (power_of_two(n)) topologies.push_back("exp");
+  if (n % 2 == 0 || n == 1)
+    topologies.push_back("ring");
+  if (power_of_two(n))
+    topologies.push_back("exp");
   const std::vector<std::pair<std::string, MakeOptimizer>> optimizers = {
-      {"SGD", [](std::vector<at::Tensor> p) {
-         return std::make_shared<torch::optim::SGD>(p, torch::optim::SGDOptions(0.05).momentum(0.9));
+      {"SGD",
+       [](std::vector<at::Tensor> p) {
+         return std::make_shared<torch::optim::SGD>(p,
+                                                    torch::optim::SGDOptions(0.05).momentum(0.9));
        }},
       {"Adam", [](std::vector<at::Tensor> p) {
          return std::make_shared<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-2));
@@ -83,7 +91,8 @@ TEST_CASE("the optimizer wrapper follows the recursion of spec section 10", "[wr
             auto params = nets[r]->parameters();
             for (size_t k = 0; k < params.size(); ++k) {
               at::Tensor mean = torch::zeros_like(params[k]);
-              for (int j : group.ranks) mean += sent[j][k];
+              for (int j : group.ranks)
+                mean += sent[j][k];
               params[k].copy_(mean / static_cast<double>(group.size()));
             }
           }
@@ -91,7 +100,8 @@ TEST_CASE("the optimizer wrapper follows the recursion of spec section 10", "[wr
         for (int r = 0; r < n; ++r) {
           opts[r]->step();
           sent[r].clear();
-          for (const auto& p : nets[r]->parameters()) sent[r].push_back(p.detach().clone());
+          for (const auto& p : nets[r]->parameters())
+            sent[r].push_back(p.detach().clone());
         }
       }
       auto mine = net->parameters();
@@ -111,7 +121,8 @@ TEST_CASE("optimizer wrapper: global_avg, revert, schedulers", "[wrapper]") {
   const std::string name = n % 2 == 0 ? "ring" : "complete";
   auto flat = [](torch::nn::Sequential& net) {
     std::vector<at::Tensor> v;
-    for (auto& p : net->parameters()) v.push_back(p.detach().flatten());
+    for (auto& p : net->parameters())
+      v.push_back(p.detach().flatten());
     return torch::cat(v);
   };
   auto train = [&](torch::nn::Sequential& net, DecentOptimWrapper& opt, int from, int to) {
@@ -122,12 +133,14 @@ TEST_CASE("optimizer wrapper: global_avg, revert, schedulers", "[wrapper]") {
     }
   };
   auto ref_net = make_net();
-  DecentOptimWrapper ref(std::make_shared<torch::optim::Adam>(ref_net->parameters(), torch::optim::AdamOptions(1e-2)),
-                         rank, n, 1, name, 25, shared_comm());
+  DecentOptimWrapper ref(
+      std::make_shared<torch::optim::Adam>(ref_net->parameters(), torch::optim::AdamOptions(1e-2)),
+      rank, n, 1, name, 25, shared_comm());
   train(ref_net, ref, 0, 10);
   auto net = make_net();
-  DecentOptimWrapper opt(std::make_shared<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(1e-2)),
-                         rank, n, 1, name, 25, shared_comm());
+  DecentOptimWrapper opt(
+      std::make_shared<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(1e-2)),
+      rank, n, 1, name, 25, shared_comm());
   train(net, opt, 0, 5);
   const auto local = flat(net).clone();
   opt.global_avg(/*may_revert=*/true);
@@ -144,8 +157,9 @@ TEST_CASE("optimizer wrapper: global_avg, revert, schedulers", "[wrapper]") {
   // Without revert, training continues from the mean: a step with zero gradients under
   // plain SGD leaves the mean in place (an exchange still in flight would have replaced it).
   auto net3 = make_net();
-  DecentOptimWrapper opt3(std::make_shared<torch::optim::SGD>(net3->parameters(), torch::optim::SGDOptions(0.1)),
-                          rank, n, 1, name, 25, shared_comm());
+  DecentOptimWrapper opt3(
+      std::make_shared<torch::optim::SGD>(net3->parameters(), torch::optim::SGDOptions(0.1)), rank,
+      n, 1, name, 25, shared_comm());
   train(net3, opt3, 0, 3);
   opt3.global_avg(/*may_revert=*/false);
   const auto mean = flat(net3).clone();
@@ -156,7 +170,8 @@ TEST_CASE("optimizer wrapper: global_avg, revert, schedulers", "[wrapper]") {
 
   // A scheduler attached to the wrapper drives the inner optimizer's learning rate.
   auto net2 = make_net();
-  auto inner = std::make_shared<torch::optim::SGD>(net2->parameters(), torch::optim::SGDOptions(0.1));
+  auto inner =
+      std::make_shared<torch::optim::SGD>(net2->parameters(), torch::optim::SGDOptions(0.1));
   DecentOptimWrapper opt2(inner, rank, n, 1, name, 25, shared_comm());
   torch::optim::StepLR sched(opt2, /*step_size=*/2, /*gamma=*/0.5);
   for (int step = 0; step < 4; ++step) {
@@ -172,7 +187,8 @@ TEST_CASE("optimizer wrapper: global_avg, revert, schedulers", "[wrapper]") {
   auto plain_param = torch::zeros({1}, torch::requires_grad());
   torch::optim::SGD plain(std::vector<at::Tensor>{plain_param}, torch::optim::SGDOptions(0.1));
   torch::optim::StepLR plain_sched(plain, 2, 0.5);
-  for (int step = 0; step < 4; ++step) plain_sched.step();
+  for (int step = 0; step < 4; ++step)
+    plain_sched.step();
   CHECK(inner->param_groups()[0].options().get_lr() == plain.param_groups()[0].options().get_lr());
   CHECK(inner->param_groups()[0].options().get_lr() < 0.1);
 }
