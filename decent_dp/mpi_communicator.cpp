@@ -172,7 +172,6 @@ class MpiWork final : public Work {
 struct MpiCommunicator::Impl {
   using Op = detail::ProgressEngine::Op;
 
-  MpiOptions options;
   std::chrono::milliseconds timeout{0};
   std::chrono::microseconds interval{0};
   std::shared_ptr<detail::ProgressEngine> engine;
@@ -263,7 +262,6 @@ struct MpiCommunicator::Impl {
 
 MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Impl>()) {
   Impl& d = *impl_;
-  d.options = options;
   d.timeout =
       options.timeout.count() > 0 ? options.timeout : std::chrono::milliseconds(env::timeout_ms());
   d.interval = options.progress_interval.count() >= 0
