@@ -158,13 +158,7 @@ DataParallelCore::~DataParallelCore() {
   hooks_.reset();
   // Exchanges still in flight hold their blocks alive; let them finish so no peer waits.
   for (auto& b : buckets_) {
-    if (b.work) {
-      try {
-        b.work->wait();
-      } catch (const std::exception& e) {
-        DECENT_DP_LOG_WARN(detail::cat("exchange failed during destruction: ", e.what()));
-      }
-    }
+    wait_in_destructor(b.work);
   }
 }
 

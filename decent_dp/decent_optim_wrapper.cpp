@@ -85,13 +85,7 @@ DecentOptimWrapper::DecentOptimWrapper(std::shared_ptr<torch::optim::Optimizer> 
 
 DecentOptimWrapper::~DecentOptimWrapper() {
   for (auto& b : buckets_) {
-    if (b.work) {
-      try {
-        b.work->wait();
-      } catch (const std::exception& e) {
-        DECENT_DP_LOG_WARN(detail::cat("exchange failed during destruction: ", e.what()));
-      }
-    }
+    wait_in_destructor(b.work);
   }
 }
 

@@ -1,6 +1,7 @@
 #include "decent_dp/work.h"
 
 #include "decent_dp/errors.h"
+#include "decent_dp/logging.h"
 
 namespace decent_dp {
 
@@ -80,6 +81,17 @@ void Work::finish(std::exception_ptr error) {
     error_ = std::move(error);
   }
   cv_.notify_all();
+}
+
+void wait_in_destructor(const std::shared_ptr<Work>& work) noexcept {
+  if (!work) {
+    return;
+  }
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    DECENT_DP_LOG_WARN(detail::cat(work->description(), " failed during destruction: ", e.what()));
+  }
 }
 
 }  // namespace decent_dp

@@ -156,12 +156,8 @@ AdamFamilyParamState& AdamFamily<Options, kVariant>::state_of(const at::Tensor& 
 
 template <typename Options, AdamVariant kVariant>
 at::Tensor AdamFamily<Options, kVariant>::step(LossClosure closure) {
+  const at::Tensor loss = evaluate_closure(closure);
   torch::NoGradGuard no_grad;
-  at::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
   last_flat_groups_ = 0;
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
     auto& group = param_groups_[gi];

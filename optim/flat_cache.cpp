@@ -1,6 +1,7 @@
 #include "optim/flat_cache.h"
 
 #include <ATen/ops/zeros_like.h>
+#include <c10/core/GradMode.h>
 
 #include "topology/errors.h"
 
@@ -30,6 +31,14 @@ FlatCache::Entry* FlatCache::lookup(size_t group, const std::vector<at::Tensor>&
   c.flat = true;
   c.entry.layout = std::move(*layout);
   return &c.entry;
+}
+
+at::Tensor evaluate_closure(const std::function<at::Tensor()>& closure) {
+  if (!closure) {
+    return {};
+  }
+  at::AutoGradMode enable_grad(true);
+  return closure();
 }
 
 void params_with_grads(const std::vector<at::Tensor>& group_params, const char* optimizer,

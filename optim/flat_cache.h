@@ -2,6 +2,7 @@
 // when a group's parameter or gradient tensors change.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <vector>
 
@@ -33,6 +34,9 @@ class FlatCache {
   };
   std::map<size_t, Cached> entries_;
 };
+
+// Runs an optimizer's closure (if any) with gradients enabled and returns its loss.
+at::Tensor evaluate_closure(const std::function<at::Tensor()>& closure);
 
 // The parameters of `group_params` that have a gradient, and those gradients; throws for
 // sparse gradients, naming `optimizer`.
