@@ -21,6 +21,8 @@
 #include <fstream>
 #include <functional>
 
+#include <time.h>
+
 #include "decent_dp/decent_dp.h"
 
 namespace {
@@ -62,6 +64,12 @@ int64_t count(torch::nn::Module& m) {
   for (const auto& p : m.parameters())
     n += p.numel();
   return n;
+}
+
+double cpu_ms(clockid_t clock) {
+  timespec ts{};
+  clock_gettime(clock, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) * 1e-6;
 }
 
 double slowest(double ms) {
@@ -115,6 +123,7 @@ int main(int argc, char** argv) {
     std::function<void()> step;
     std::function<void()> finish;
     std::vector<double> ms;
+    std::vector<double> other_cpu_ms;  // CPU time of threads other than the caller's
   };
   std::vector<Case> cases;
   std::vector<std::shared_ptr<void>> keep;  // models, optimizers and wrappers of the cases
@@ -179,12 +188,17 @@ int main(int argc, char** argv) {
   for (int r = 0; r < rounds; ++r) {
     for (auto& c : cases) {
       MPI_Barrier(MPI_COMM_WORLD);
+      const double process0 = cpu_ms(CLOCK_PROCESS_CPUTIME_ID);
+      const double thread0 = cpu_ms(CLOCK_THREAD_CPUTIME_ID);
       const auto t0 = Clock::now();
       for (int i = 0; i < steps; ++i)
         c.step();
       c.finish();
       c.ms.push_back(
           slowest(std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / steps));
+      const double other = (cpu_ms(CLOCK_PROCESS_CPUTIME_ID) - process0) -
+                           (cpu_ms(CLOCK_THREAD_CPUTIME_ID) - thread0);
+      c.other_cpu_ms.push_back(slowest(other / steps));
     }
   }
   nlohmann::json rows = nlohmann::json::array();
@@ -192,16 +206,21 @@ int main(int argc, char** argv) {
   for (auto& c : cases) {
     std::sort(c.ms.begin(), c.ms.end());
     const double ms = c.ms[c.ms.size() / 2];
+    std::sort(c.other_cpu_ms.begin(), c.other_cpu_ms.end());
+    const double other_cpu = c.other_cpu_ms[c.other_cpu_ms.size() / 2];
     if (local_ms == 0)
       local_ms = ms;
     if (rank == 0) {
-      fmt::print("{:<40} {:>9.1f} ms/step  {:>6.3f}x local   (rounds: {:.1f} .. {:.1f})\n", c.name,
-                 ms, ms / local_ms, c.ms.front(), c.ms.back());
+      fmt::print(
+          "{:<40} {:>9.1f} ms/step  {:>6.3f}x local   (rounds: {:.1f} .. {:.1f}; other threads' "
+          "CPU {:.1f} ms/step)\n",
+          c.name, ms, ms / local_ms, c.ms.front(), c.ms.back(), other_cpu);
     }
     rows.push_back({{"case", c.name},
                     {"ms_per_step", ms},
                     {"ratio_to_local", ms / local_ms},
-                    {"rounds_ms", c.ms}});
+                    {"rounds_ms", c.ms},
+                    {"other_threads_cpu_ms_per_step", other_cpu}});
   }
   if (rank == 0 && !json_path.empty()) {
     std::ofstream(json_path) << nlohmann::json{{"model", model_name},

@@ -55,14 +55,27 @@ std::vector<BucketSpec> plan_buckets(const std::vector<BucketEntry>& entries, in
 }
 
 BucketStorage make_bucket_storage(const BucketSpec& spec, const std::vector<at::Tensor>& params,
-                                  bool as_view, bool bind_grads) {
+                                  bool as_view, bool bind_grads, const BlockAllocator& allocate) {
   BucketStorage s;
   const auto options = at::TensorOptions().dtype(spec.dtype).device(spec.device);
-  s.params = at::zeros({spec.numel}, options);
+  auto block = [&] {
+    if (!allocate) {
+      return at::zeros({spec.numel}, options);
+    }
+    at::Tensor t = allocate(spec.numel, options);
+    DECENT_DP_CHECK_ARG(
+        t.defined() && t.numel() == spec.numel && t.dim() == 1 && t.is_contiguous() &&
+            t.scalar_type() == spec.dtype && t.device() == spec.device,
+        "make_bucket_storage: the block allocator must return a contiguous 1-D "
+        "tensor of ",
+        spec.numel, " elements of ", c10::toString(spec.dtype), " on ", spec.device.str());
+    return t;
+  };
+  s.params = block();
   if (bind_grads) {
-    s.grads = at::zeros({spec.numel}, options);
+    s.grads = block();
   }
-  s.comm = at::zeros({spec.numel}, options);
+  s.comm = block();
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& p = params[i];
     const int64_t offset = spec.offsets[i];
@@ -89,8 +102,21 @@ BucketStorage make_bucket_storage(const BucketSpec& spec, const std::vector<at::
     }
     s.param_views.push_back(pv);
     s.grad_views.push_back(gv);
+    s.comm_views.push_back(view_of(s.comm));
   }
   return s;
+}
+
+void swap_param_and_comm_blocks(BucketStorage& storage, const std::vector<at::Tensor>& rebind) {
+  DECENT_DP_CHECK_ARG(rebind.size() == storage.param_views.size(),
+                      "swap_param_and_comm_blocks: expected ", storage.param_views.size(),
+                      " tensors to rebind, got ", rebind.size());
+  std::swap(storage.params, storage.comm);
+  std::swap(storage.param_views, storage.comm_views);
+  for (size_t k = 0; k < rebind.size(); ++k) {
+    at::Tensor t = rebind[k];
+    t.set_data(storage.param_views[k]);
+  }
 }
 
 std::string describe_bucket(size_t index, const BucketSpec& spec,

@@ -16,6 +16,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,7 @@ struct BucketStorage {
   at::Tensor comm;    // flat communication block
   std::vector<at::Tensor> param_views;
   std::vector<at::Tensor> grad_views;
+  std::vector<at::Tensor> comm_views;  // laid out like param_views
 };
 
 // Allocates the blocks of `spec` and lays out views shaped and strided like `params`
@@ -59,8 +61,28 @@ struct BucketStorage {
 // in); otherwise the parameters keep their storage and the caller copies in and out.
 // With `bind_grads` false there is no gradient block and the gradients are left alone (the
 // caller only needs the parameter and communication blocks).
+// `allocate` (optional) makes the zero-filled blocks, e.g. Communicator::allocate so that
+// they can be exchanged through shared memory.
+using BlockAllocator = std::function<at::Tensor(int64_t numel, const at::TensorOptions& options)>;
 BucketStorage make_bucket_storage(const BucketSpec& spec, const std::vector<at::Tensor>& params,
-                                  bool as_view, bool bind_grads = true);
+                                  bool as_view, bool bind_grads = true,
+                                  const BlockAllocator& allocate = nullptr);
+
+// Note [block swap]
+// In decentralized mode the mixed parameters are x + c (A - x), A the group mean that the
+// exchange wrote into the communication block. With c = 1 (adaptive factor 1 and uniform
+// group weights) they are A itself, so instead of copying A over x the two blocks trade
+// roles: the parameters' data are re-pointed at the communication block (set_data keeps
+// each parameter's TensorImpl, so the module, autograd's accumulators and optimizer state
+// keyed by the tensor are unaffected), and the old parameter block receives the next
+// exchange. The fused optimizers keep their flat state across the swap (FlatCache).
+//
+// Exchanges the roles of the parameter and communication blocks, views included, and points
+// the data of every tensor in `rebind` (the tensors whose data are the parameter views, in
+// spec order) at the new parameter views. For when the new parameters are exactly the
+// communication block's contents: no element is copied. Tensors that share a TensorImpl with
+// `rebind` (the module's parameters, an optimizer's references) follow; gradients stay.
+void swap_param_and_comm_blocks(BucketStorage& storage, const std::vector<at::Tensor>& rebind);
 
 // Summary for logs: "bucket 0: 3 params, 1.25 MiB (fc2.weight fc2.bias fc1.bias)".
 std::string describe_bucket(size_t index, const BucketSpec& spec,

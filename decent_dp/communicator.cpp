@@ -1,8 +1,15 @@
 #include "decent_dp/communicator.h"
 
+#include <ATen/ops/zeros.h>
+
 #include "decent_dp/errors.h"
 
 namespace decent_dp {
+
+at::Tensor Communicator::allocate(int64_t numel, const at::TensorOptions& options) {
+  DECENT_DP_CHECK_ARG(numel >= 0, "allocate: numel must be >= 0, got ", numel);
+  return at::zeros({numel}, options);
+}
 
 const char* to_string(ReduceOp op) {
   switch (op) {

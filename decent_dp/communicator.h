@@ -59,6 +59,13 @@ class Communicator {
   // Blocks until every rank has entered the barrier (honours the default timeout).
   virtual void barrier() = 0;
 
+  // A zero-filled 1-D tensor of `numel` elements for buffers this communicator will
+  // exchange often (the wrappers' parameter, gradient and communication blocks). The MPI
+  // backend places CPU buffers in shared memory when ranks share a node, so group members
+  // there read each other's buffers directly (Note [shared-memory transport]); other
+  // backends return at::zeros. Any tensor works with every operation either way.
+  virtual at::Tensor allocate(int64_t numel, const at::TensorOptions& options);
+
   // Default timeout of the Work handles this communicator returns.
   virtual std::chrono::milliseconds timeout() const = 0;
 };

@@ -372,7 +372,9 @@ void DataParallelCore::build_buckets() {
       bucket.params.push_back(params_[i]);
       bucket_of_[i] = b;
     }
-    bucket.storage = make_bucket_storage(bucket.spec, bucket.params, options_.param_as_bucket_view);
+    bucket.storage = make_bucket_storage(
+        bucket.spec, bucket.params, options_.param_as_bucket_view, /*bind_grads=*/true,
+        [this](int64_t numel, const at::TensorOptions& o) { return comm_->allocate(numel, o); });
     NamedParams named;
     if (options_.param_as_bucket_view) {
       bucket.optimizer_params = bucket.params;
@@ -437,7 +439,16 @@ void DataParallelCore::step_bucket(Bucket& bucket) {
       bucket.storage.grads.mul_(coef);
   }
   bucket.optimizer->step();
-  bucket.storage.grads.zero_();
+  if (options_.param_as_bucket_view) {
+    // Note [releasing gradients]: the gradients are dropped (set to none) instead of zeroed.
+    // The next backward's AccumulateGrad then takes over the gradient it computed instead of
+    // adding it into a zeroed view, and on_grad_ready copies it into the view: one pass over
+    // the block instead of three (zero, read-add-write), no allocation either way.
+    for (auto& p : bucket.params)
+      p.mutable_grad() = at::Tensor();
+  } else {
+    bucket.storage.grads.zero_();
+  }
   if (bucket.scheduler)
     bucket.scheduler->step();
   if (!options_.param_as_bucket_view) {
@@ -460,6 +471,19 @@ void DataParallelCore::process_bucket(size_t b) {
       if (g.defined())
         bucket.storage.grad_views[k].copy_(g);
     }
+  } else {
+    // A gradient that did not arrive in this backward counts as zero (spec §7).
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      at::Tensor& p = bucket.params[k];
+      const at::Tensor& view = bucket.storage.grad_views[k];
+      if (!p.grad().is_same(view)) {
+        if (p.grad().defined())
+          view.copy_(p.grad());  // accumulated without this backward (no_sync)
+        else
+          view.zero_();
+        p.mutable_grad() = view;
+      }
+    }
   }
   if (mode_ == ExchangeMode::kAllReduce) {
     bucket.work = comm_->allreduce(bucket.storage.grads, all_ranks_, ReduceOp::kAvg);
@@ -479,9 +503,13 @@ void DataParallelCore::process_bucket(size_t b) {
     const double a = adaptive_factor_;
     const double mean_coef = k > 1 ? (1 - g.self_weight) * k / (k - 1) : 0.0;
     // The coefficients of x and A sum to one, so the mixing is one pass:
-    // x <- x + a mean_coef (A - x).
-    if (a * mean_coef != 0.0) {
-      bucket.storage.params.lerp_(bucket.storage.comm, a * mean_coef);
+    // x <- x + a mean_coef (A - x). With a = 1 and uniform weights (w = 1/k, every built-in
+    // topology) that is x <- A: the two blocks trade roles instead (Note [block swap]).
+    const double coef = a * mean_coef;
+    if (std::abs(coef - 1.0) <= 1e-12) {
+      swap_param_and_comm_blocks(bucket.storage, bucket.optimizer_params);
+    } else if (coef != 0.0) {
+      bucket.storage.params.lerp_(bucket.storage.comm, coef);
     }
     bucket.work.reset();
   }

@@ -71,7 +71,10 @@ DecentOptimWrapper::DecentOptimWrapper(std::shared_ptr<torch::optim::Optimizer> 
       members.push_back(params[i]);
     Bucket b;
     b.spec = spec;
-    b.storage = make_bucket_storage(spec, members, /*as_view=*/true, /*bind_grads=*/false);
+    b.storage = make_bucket_storage(
+        spec, members, /*as_view=*/true, /*bind_grads=*/false,
+        [this](int64_t numel, const at::TensorOptions& o) { return comm_->allocate(numel, o); });
+    b.params = std::move(members);
     buckets_.push_back(std::move(b));
   }
   for (auto& b : buckets_)
@@ -112,7 +115,8 @@ at::Tensor DecentOptimWrapper::step(LossClosure closure) {
   for (auto& b : buckets_) {
     if (b.work) {
       b.work->wait();
-      b.storage.params.copy_(b.storage.comm);  // the group mean of the previous step
+      // The group mean of the previous step becomes the parameters (Note [block swap]).
+      swap_param_and_comm_blocks(b.storage, b.params);
       b.work.reset();
     }
   }

@@ -53,6 +53,7 @@ class DecentOptimWrapper : public torch::optim::Optimizer {
   struct Bucket {
     BucketSpec spec;
     BucketStorage storage;
+    std::vector<at::Tensor> params;  // the inner optimizer's parameters in this bucket
     std::shared_ptr<Work> work;
   };
   void sync_learning_rates();

@@ -50,5 +50,20 @@ int64_t progress_interval_us() {
   return value;
 }
 
+bool shared_memory() {
+  static const bool value = [] {
+    const std::string text = read("DECENT_DP_SHM");
+    if (text.empty() || text == "1") {
+      return true;
+    }
+    if (text == "0") {
+      return false;
+    }
+    throw InvalidArgument(
+        detail::cat("environment variable DECENT_DP_SHM must be 0 or 1, got '", text, "'"));
+  }();
+  return value;
+}
+
 }  // namespace env
 }  // namespace decent_dp

@@ -4,6 +4,8 @@
 //   DECENT_DP_TIMEOUT_MS         default timeout of Work::wait() in ms        (default 600000)
 //   DECENT_DP_PROGRESS_INTERVAL_US  sleep between two polls of the MPI progress thread
 //                                while nobody waits, in microseconds        (default 50)
+//   DECENT_DP_SHM                1 | 0: ranks of one node exchange the wrappers' buffers
+//                                through shared memory (default 1; the same on every rank)
 //
 // Options structs take precedence only when their fields are set explicitly; the
 // environment supplies the defaults.
@@ -18,6 +20,7 @@ namespace env {
 std::string log_level();
 int64_t timeout_ms();
 int64_t progress_interval_us();
+bool shared_memory();
 
 }  // namespace env
 }  // namespace decent_dp

@@ -12,6 +12,7 @@
 
 #include "decent_dp/detail/progress_engine.h"
 #include "decent_dp/detail/ring_allreduce.h"
+#include "decent_dp/detail/shm.h"
 #include "decent_dp/env.h"
 #include "decent_dp/errors.h"
 #include "decent_dp/logging.h"
@@ -182,6 +183,23 @@ struct MpiCommunicator::Impl {
   int size = 0;
   int local_rank = -1;
   int local_size = 0;
+  std::vector<int> node_of;  // per world rank: the world rank of its node's first rank
+  bool shared_memory = false;
+  int64_t shared_memory_min_bytes = 0;
+  detail::PeerSegmentCache peers;  // engine token holder only
+  std::atomic<bool> warned_allocation{false};
+  std::atomic<uint64_t> ring_allreduces{0};
+  std::atomic<uint64_t> shared_allreduces{0};
+
+  // True when every rank of `ranks` is on this rank's node.
+  bool same_node(const std::vector<int>& ranks) const {
+    for (int r : ranks) {
+      if (node_of[r] != node_of[rank]) {
+        return false;
+      }
+    }
+    return true;
+  }
 
   // A communicator of one group. `sequence` numbers the ring all-reduces started on it
   // (by the engine's token holder only) and gives each its own message tag.
@@ -267,6 +285,8 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
   d.interval = options.progress_interval.count() >= 0
                    ? options.progress_interval
                    : std::chrono::microseconds(env::progress_interval_us());
+  d.shared_memory = options.shared_memory < 0 ? env::shared_memory() : options.shared_memory != 0;
+  d.shared_memory_min_bytes = std::max<int64_t>(0, options.shared_memory_min_bytes);
   acquire_mpi();
   d.engine = std::make_shared<detail::ProgressEngine>(d.interval, d.timeout, g_world_rank.load());
   d.engine->start_thread();
@@ -284,7 +304,12 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
           MPI_Comm_split_type(d.world, MPI_COMM_TYPE_SHARED, d.rank, MPI_INFO_NULL, &local));
       DECENT_DP_MPI_CHECK(MPI_Comm_rank(local, &d.local_rank));
       DECENT_DP_MPI_CHECK(MPI_Comm_size(local, &d.local_size));
+      int leader = d.rank;
+      DECENT_DP_MPI_CHECK(MPI_Bcast(&leader, 1, MPI_INT, 0, local));
       DECENT_DP_MPI_CHECK(MPI_Comm_free(&local));
+      d.node_of.assign(d.size, -1);
+      DECENT_DP_MPI_CHECK(
+          MPI_Allgather(&leader, 1, MPI_INT, d.node_of.data(), 1, MPI_INT, d.world));
     });
   } catch (...) {
     const bool clean = d.engine->stop();
@@ -442,23 +467,47 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
   const char* input = static_cast<const char*>(tensor.data_ptr());
   char* data = static_cast<char*>(output.data_ptr());
   const bool average = op == ReduceOp::kAvg;
-  // Note [ring all-reduce over point-to-point]: the ring is created when the operation
-  // starts, by the engine's token holder, which also assigns its tag in submission order.
-  auto ring = std::make_shared<std::unique_ptr<detail::RingAllreduce>>();
+  // Note [shared-memory transport]: groups inside this node take it when buffers are large
+  // enough; the operation itself falls back to the ring unless every member's buffers are
+  // shared. The decision here depends only on the group and the size, the same on every
+  // member.
+  const bool try_shared =
+      d.shared_memory && d.same_node(ranks) &&
+      numel * static_cast<int64_t>(tensor.element_size()) >= d.shared_memory_min_bytes;
+  // Note [ring all-reduce over point-to-point]: the operation is created when it starts, by
+  // the engine's token holder, which also assigns its tag in submission order.
+  using Next = std::function<std::vector<MPI_Request>()>;
+  auto state = std::make_shared<
+      std::pair<std::unique_ptr<detail::RingAllreduce>, std::unique_ptr<detail::ShmAllreduce>>>();
   detail::ProgressEngine* engine = d.engine.get();
-  return d.submit(work, [ring, engine, group, input, data, numel, dtype, average] {
-    if (!*ring) {
+  detail::PeerSegmentCache* peers = &d.peers;
+  std::atomic<uint64_t>* counter_ring = &d.ring_allreduces;
+  std::atomic<uint64_t>* counter_shared = &d.shared_allreduces;
+  Next next = [state, engine, peers, counter_ring, counter_shared, group, input, data, numel, dtype,
+               average, try_shared] {
+    auto& [ring, shared] = *state;
+    if (!ring && !shared) {
       const int tag = static_cast<int>(group->sequence++ % 32768u);
-      *ring = std::make_unique<detail::RingAllreduce>(input, data, numel, dtype, average,
-                                                      group->comm, group->index, group->size, tag,
-                                                      engine->scratch());
+      if (try_shared) {
+        shared = std::make_unique<detail::ShmAllreduce>(input, data, numel, dtype, average,
+                                                        group->comm, group->index, group->size, tag,
+                                                        engine->scratch(), *peers);
+      } else {
+        ring = std::make_unique<detail::RingAllreduce>(input, data, numel, dtype, average,
+                                                       group->comm, group->index, group->size, tag,
+                                                       engine->scratch());
+      }
     }
-    std::vector<MPI_Request> next = (*ring)->next();
-    if (next.empty()) {
-      ring->reset();  // returns the scratch buffer to the pool
+    std::vector<MPI_Request> requests = shared ? shared->next() : ring->next();
+    if (requests.empty()) {
+      const bool by_shm = shared && !shared->fell_back();
+      (by_shm ? counter_shared : counter_ring)->fetch_add(1);
+      ring.reset();  // returns the scratch buffer to the pool
+      shared.reset();
     }
-    return next;
-  });
+    return requests;
+  };
+  return d.submit(work, std::move(next));
 }
 
 std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int root) {
@@ -526,6 +575,31 @@ void MpiCommunicator::barrier() {
     return std::vector<MPI_Request>{request};
   });
   work->wait();
+}
+
+at::Tensor MpiCommunicator::allocate(int64_t numel, const at::TensorOptions& options) {
+  Impl& d = *impl_;
+  DECENT_DP_CHECK_ARG(numel >= 0, "allocate: numel must be >= 0, got ", numel);
+  if (d.shared_memory && d.local_size > 1 && options.device().is_cpu() &&
+      options.layout() == at::kStrided) {
+    std::string why;
+    at::Tensor t = detail::allocate_shared(numel, options.dtype().toScalarType(), why);
+    if (t.defined()) {
+      return t;
+    }
+    if (!d.warned_allocation.exchange(true)) {
+      DECENT_DP_LOG_WARN(cat("could not allocate a shared-memory buffer (", why,
+                             "); exchanges of private buffers take MPI messages"));
+    }
+  }
+  return Communicator::allocate(numel, options);
+}
+
+MpiStats MpiCommunicator::stats() const {
+  MpiStats out;
+  out.ring_allreduces = impl_->ring_allreduces.load();
+  out.shared_memory_allreduces = impl_->shared_allreduces.load();
+  return out;
 }
 
 }  // namespace decent_dp

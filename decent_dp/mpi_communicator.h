@@ -4,7 +4,9 @@
 // in detail/progress_engine.h): operations start in submission order, a progress thread
 // advances them while the caller computes, and a caller blocked in Work::wait() advances
 // them itself. All-reduce is a ring over non-blocking point-to-point messages (Note [ring
-// all-reduce over point-to-point] in detail/ring_allreduce.h). MPI is initialised with
+// all-reduce over point-to-point] in detail/ring_allreduce.h), or for groups inside one node
+// whose buffers come from allocate(), direct reads of shared memory (Note [shared-memory
+// transport] in detail/shm.h). MPI is initialised with
 // MPI_THREAD_MULTIPLE (checked).
 #pragma once
 
@@ -15,12 +17,24 @@
 
 namespace decent_dp {
 
+// What a communicator's all-reduces of more than one rank did so far.
+struct MpiStats {
+  uint64_t ring_allreduces = 0;           // over MPI point-to-point messages
+  uint64_t shared_memory_allreduces = 0;  // through shared memory
+};
+
 struct MpiOptions {
   // Default timeout of Work::wait(); <= 0 takes DECENT_DP_TIMEOUT_MS (default 10 min).
   std::chrono::milliseconds timeout{0};
   // Pause between two polls while nobody waits; < 0 takes DECENT_DP_PROGRESS_INTERVAL_US
   // (default 50 us). 0 polls continuously.
   std::chrono::microseconds progress_interval{-1};
+  // Shared-memory buffers and transport for ranks of one node (Note [shared-memory
+  // transport]): 1 on, 0 off, -1 takes DECENT_DP_SHM (default on). Must agree across ranks.
+  int shared_memory = -1;
+  // All-reduces below this many bytes take the ring even when shared memory is available
+  // (the shared-memory protocol costs one more round of messages).
+  int64_t shared_memory_min_bytes = 64 << 10;
 };
 
 class MpiCommunicator final : public Communicator {
@@ -49,6 +63,9 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<Work> broadcast(const at::Tensor& tensor, int root) override;
   std::shared_ptr<Work> allgather(const at::Tensor& output, const at::Tensor& input) override;
   void barrier() override;
+  at::Tensor allocate(int64_t numel, const at::TensorOptions& options) override;
+  // Counts of completed all-reduces by transport.
+  MpiStats stats() const;
 
   std::chrono::milliseconds timeout() const override;
 

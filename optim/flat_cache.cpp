@@ -19,10 +19,12 @@ FlatCache::Entry* FlatCache::lookup(size_t group, const std::vector<at::Tensor>&
     c.entry.fresh = false;
     return c.flat ? &c.entry : nullptr;
   }
+  Cached previous = std::move(c);
   c = Cached();
   for (size_t i = 0; i < params.size(); ++i) {
     c.param_ptrs.push_back(params[i].data_ptr());
     c.grad_ptrs.push_back(grads[i].data_ptr());
+    c.impls.push_back(params[i].unsafeGetTensorImpl());
   }
   auto layout = detect_flat_layout(params, grads);
   if (!layout) {
@@ -30,6 +32,17 @@ FlatCache::Entry* FlatCache::lookup(size_t group, const std::vector<at::Tensor>&
   }
   c.flat = true;
   c.entry.layout = std::move(*layout);
+  const FlatLayout& before = previous.entry.layout;
+  const FlatLayout& now = c.entry.layout;
+  if (previous.flat && previous.impls == c.impls && before.offsets == now.offsets &&
+      before.params.numel() == now.params.numel() &&
+      before.params.options().type_equal(now.params.options()) &&
+      before.params.device() == now.params.device()) {
+    // The same tensors in the same layout over other blocks (DecentralizedDataParallel's
+    // Note [block swap]): the flat state blocks stay, with their per-parameter views.
+    c.entry.blocks = std::move(previous.entry.blocks);
+    c.entry.step = std::move(previous.entry.step);
+  }
   return &c.entry;
 }
 

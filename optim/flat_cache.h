@@ -29,6 +29,7 @@ class FlatCache {
   struct Cached {
     std::vector<const void*> param_ptrs;
     std::vector<const void*> grad_ptrs;
+    std::vector<const c10::TensorImpl*> impls;  // the parameters themselves
     bool flat = false;
     Entry entry;
   };

@@ -19,34 +19,36 @@ namespace {
 #define DECENT_DP_MULTIVERSION
 #endif
 
-// out = a + b; `out` may be `a`.
+// out = a + b, or (a + b) / k with `k` > 1 (the sum rounded to T first, as an add followed by
+// a divide would); `out` may be `a`.
 template <typename T>
-DECENT_DP_MULTIVERSION void add_typed(void* out, const void* a, const void* b, int64_t n) {
+DECENT_DP_MULTIVERSION void add_typed(void* out, const void* a, const void* b, int64_t n,
+                                      int64_t k) {
   T* o = static_cast<T*>(out);
   const T* x = static_cast<const T*>(a);
   const T* __restrict y = static_cast<const T*>(b);
+  if (k > 1) {
+    const T divisor = static_cast<T>(k);
+    for (int64_t i = 0; i < n; ++i) {
+      const T sum = x[i] + y[i];
+      o[i] = sum / divisor;
+    }
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) {
     o[i] = x[i] + y[i];
   }
 }
 
 template <typename T>
-void add_16bit(void* out, const void* a, const void* b, int64_t n) {
+void add_16bit(void* out, const void* a, const void* b, int64_t n, int64_t k) {
   T* o = static_cast<T*>(out);
   const T* x = static_cast<const T*>(a);
   const T* y = static_cast<const T*>(b);
+  const float divisor = static_cast<float>(k);
   for (int64_t i = 0; i < n; ++i) {
-    o[i] = static_cast<T>(static_cast<float>(x[i]) + static_cast<float>(y[i]));
-  }
-}
-
-template <typename T>
-void divide_typed(void* data, int64_t n, int64_t k) {
-  T* p = static_cast<T*>(data);
-  using Math = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
-  const Math divisor = static_cast<Math>(k);
-  for (int64_t i = 0; i < n; ++i) {
-    p[i] = static_cast<T>(static_cast<Math>(p[i]) / divisor);
+    const T sum = static_cast<T>(static_cast<float>(x[i]) + static_cast<float>(y[i]));
+    o[i] = k > 1 ? static_cast<T>(static_cast<float>(sum) / divisor) : sum;
   }
 }
 
@@ -100,37 +102,28 @@ void ScratchPool::release(Buffer buffer) {
   free_.push_back(std::move(buffer));
 }
 
-void add_out(void* out, const void* a, const void* b, int64_t n, c10::ScalarType dtype) {
+void add_out(void* out, const void* a, const void* b, int64_t n, c10::ScalarType dtype,
+             int64_t divisor) {
+  const bool integral = dtype == c10::kInt || dtype == c10::kLong;
+  if (divisor < 1 || (integral && divisor != 1)) {
+    throw InvalidArgument(cat("add_out: divisor must be >= 1 (1 for integer dtypes), got ", divisor,
+                              " for ", c10::toString(dtype)));
+  }
   switch (dtype) {
     case c10::kFloat:
-      return add_typed<float>(out, a, b, n);
+      return add_typed<float>(out, a, b, n, divisor);
     case c10::kDouble:
-      return add_typed<double>(out, a, b, n);
+      return add_typed<double>(out, a, b, n, divisor);
     case c10::kInt:
-      return add_typed<int32_t>(out, a, b, n);
+      return add_typed<int32_t>(out, a, b, n, 1);
     case c10::kLong:
-      return add_typed<int64_t>(out, a, b, n);
+      return add_typed<int64_t>(out, a, b, n, 1);
     case c10::kBFloat16:
-      return add_16bit<c10::BFloat16>(out, a, b, n);
+      return add_16bit<c10::BFloat16>(out, a, b, n, divisor);
     case c10::kHalf:
-      return add_16bit<c10::Half>(out, a, b, n);
+      return add_16bit<c10::Half>(out, a, b, n, divisor);
     default:
       throw InvalidArgument(cat("add_out: unsupported dtype ", c10::toString(dtype)));
-  }
-}
-
-void divide_by(void* p, int64_t n, int64_t k, c10::ScalarType dtype) {
-  switch (dtype) {
-    case c10::kFloat:
-      return divide_typed<float>(p, n, k);
-    case c10::kDouble:
-      return divide_typed<double>(p, n, k);
-    case c10::kBFloat16:
-      return divide_typed<c10::BFloat16>(p, n, k);
-    case c10::kHalf:
-      return divide_typed<c10::Half>(p, n, k);
-    default:
-      throw InvalidArgument(cat("divide_by: unsupported dtype ", c10::toString(dtype)));
   }
 }
 
@@ -170,17 +163,15 @@ RingAllreduce::~RingAllreduce() {
 std::vector<MPI_Request> RingAllreduce::next() {
   const int k = size_;
   if (pending_chunk_ >= 0) {
-    // output[c] = input[c] + received (the first time chunk c is reduced on this rank).
+    // output[c] = input[c] + received (the first time chunk c is reduced on this rank). The
+    // last reduce-scatter step completes the chunk this rank owns, chunk (index + 1) mod k:
+    // with `average_` it is divided in the same pass, before it is passed around, so each
+    // rank divides 1/k of the buffer and every member gets the same bits.
     const int64_t offset = chunk_begin(pending_chunk_) * element_size_;
+    const bool owned = step_ == k - 1;
     add_out(data_ + offset, input_ + offset, scratch_.data.get(), chunk_size(pending_chunk_),
-            dtype_);
+            dtype_, owned && average_ ? k : 1);
     pending_chunk_ = -1;
-    if (step_ == k - 1 && average_) {
-      // The chunk this rank owns is fully reduced: divide it before passing it around, so
-      // each rank divides 1/k of the buffer and every member gets the same bits.
-      const int owned = (index_ + 1) % k;
-      divide_by(data_ + chunk_begin(owned) * element_size_, chunk_size(owned), k, dtype_);
-    }
   }
   if (step_ >= 2 * (k - 1)) {
     return {};

@@ -45,10 +45,10 @@ class ScratchPool {
 };
 
 // out[i] = a[i] + b[i] for n elements of dtype (float32, float64, bfloat16, float16, int32,
-// int64); `out` may be `a`.
-void add_out(void* out, const void* a, const void* b, int64_t n, c10::ScalarType dtype);
-// p[i] /= k in the tensor's dtype (float math for 16-bit floats).
-void divide_by(void* p, int64_t n, int64_t k, c10::ScalarType dtype);
+// int64), or with `divisor` > 1 (floating dtypes) out[i] = (a[i] + b[i]) / divisor, the sum
+// rounded to the dtype first; `out` may be `a`.
+void add_out(void* out, const void* a, const void* b, int64_t n, c10::ScalarType dtype,
+             int64_t divisor = 1);
 
 class RingAllreduce {
  public:

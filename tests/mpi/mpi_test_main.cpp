@@ -12,6 +12,8 @@ MpiCommunicator& comm() {
   static MpiCommunicator instance([] {
     MpiOptions options;
     options.timeout = std::chrono::seconds(60);
+    // The tests' buffers are small: let all of them take shared memory when it is on.
+    options.shared_memory_min_bytes = 0;
     return options;
   }());
   return instance;

@@ -4,6 +4,7 @@
 
 #include "decent_dp/decentralized_data_parallel.h"
 #include "decent_dp/distributed_data_parallel.h"
+#include "decent_dp/env.h"
 #include "mpi_test_util.h"
 #include "optim/factories.h"
 #include "simulator.h"
@@ -114,7 +115,12 @@ TEST_CASE("decentralized training matches the simulator for every topology", "[d
           CHECK(model.bucket_count() > 1);
         return net;
       };
+      const auto before = comm().stats();
       auto net = run();
+      const auto after = comm().stats();
+      // Buckets come from the communicator: in shared memory unless DECENT_DP_SHM=0.
+      const bool shm = n > 1 && env::shared_memory();
+      CHECK((after.shared_memory_allreduces > before.shared_memory_allreduces) == shm);
       testing::Simulator sim([&] { return make().ptr(); }, n, name, lws, factory, sched);
       for (int step = 0; step < 20; ++step) {
         sim.step(

@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <thread>
 
+#include "decent_dp/detail/shm.h"
 #include "decent_dp/errors.h"
 #include "mpi_test_util.h"
 #include "topology/topology.h"
@@ -355,4 +357,132 @@ TEST_CASE("out-of-place all-reduce leaves the input alone", "[mpi]") {
   }
   CHECK_THROWS_WITH(c.allreduce(at::zeros({4}), at::zeros({5}), {c.rank()}, ReduceOp::kSum),
                     Catch::Contains("output must have the input's dtype and size"));
+}
+
+namespace {
+
+MpiOptions shm_options(int shared, int64_t min_bytes) {
+  MpiOptions o;
+  o.timeout = std::chrono::seconds(60);
+  o.shared_memory = shared;
+  o.shared_memory_min_bytes = min_bytes;
+  return o;
+}
+
+at::Tensor shared_copy(Communicator& c, const at::Tensor& t) {
+  auto s = c.allocate(t.numel(), t.options());
+  s.copy_(t);
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("shared-memory all-reduce: closed forms, in and out of place, every group", "[mpi]") {
+  // Every size goes through shared memory on this communicator (no minimum).
+  MpiCommunicator c(shm_options(1, 0));
+  const int n = c.size();
+  auto probe = c.allocate(5, at::kFloat);
+  std::string name;
+  uint64_t offset = 0;
+  CHECK(probe.numel() == 5);
+  CHECK(probe.abs().sum().item<double>() == 0.0);
+  // One rank alone keeps private memory: there is no one to share with.
+  CHECK(detail::find_shared(probe.data_ptr(), probe.nbytes(), name, offset) == (n > 1));
+  for (const auto& topo : topologies_for(n)) {
+    c.make_groups(topo->distinct_groups());
+    for (int s = 0; s < topo->period(); ++s) {
+      const auto& group = topo->group_of(c.rank(), s);
+      for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kInt, at::kLong}) {
+        const bool integral = dtype == at::kInt || dtype == at::kLong;
+        for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+          if (integral && op == ReduceOp::kAvg)
+            continue;
+          for (int64_t numel : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{4099}}) {
+            INFO("rank " << c.rank() << " topology " << topo->name() << " slot " << s << " group "
+                         << ranks_to_string(group.ranks) << " dtype " << dtype << " op "
+                         << to_string(op) << " numel " << numel);
+            auto t = shared_copy(c, make_input(c.rank(), numel, dtype));
+            c.allreduce(t, group.ranks, op)->wait();
+            CHECK(count_wrong_any(t, group.ranks, op) == 0);
+            auto in = shared_copy(c, make_input(c.rank(), numel, dtype));
+            const auto before = in.clone();
+            auto out = c.allocate(numel, in.options());
+            c.allreduce(in, out, group.ranks, op)->wait();
+            CHECK(torch_equal_bytes(in, before));
+            CHECK(count_wrong_any(out, group.ranks, op) == 0);
+          }
+        }
+      }
+    }
+  }
+  // A view into the middle of a shared block works too (offsets travel with it).
+  std::vector<int> all(n);
+  for (int r = 0; r < n; ++r)
+    all[r] = r;
+  auto block = c.allocate((int64_t{1} << 20) + 100, at::kFloat);
+  auto view = block.narrow(0, 37, (int64_t{1} << 20) + 13);
+  view.copy_(make_input(c.rank(), view.numel(), at::kFloat));
+  const auto before = c.stats();
+  c.allreduce(view, all, ReduceOp::kAvg)->wait();
+  CHECK(count_wrong_any(view, all, ReduceOp::kAvg) == 0);
+  CHECK(block.narrow(0, 0, 37).abs().sum().item<double>() == 0.0);
+  if (n > 1) {
+    CHECK(c.stats().shared_memory_allreduces == before.shared_memory_allreduces + 1);
+  }
+}
+
+TEST_CASE("shared-memory all-reduce: bit-identical members, mixed buffers fall back", "[mpi]") {
+  MpiCommunicator c(shm_options(1, 0));
+  const int n = c.size();
+  std::vector<int> all(n);
+  for (int r = 0; r < n; ++r)
+    all[r] = r;
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    auto t =
+        shared_copy(c, at::arange(100003, at::kDouble).mul(0.001 * (c.rank() + 1)).sin().to(dtype));
+    c.allreduce(t, all, ReduceOp::kAvg)->wait();
+    auto bytes = t.view(at::kByte).clone();
+    auto gathered = at::empty({bytes.numel() * n}, at::kByte);
+    c.allgather(gathered, bytes)->wait();
+    for (int r = 1; r < n; ++r) {
+      INFO("rank " << r << " vs rank 0, dtype " << dtype);
+      CHECK(gathered.narrow(0, r * bytes.numel(), bytes.numel())
+                .equal(gathered.narrow(0, 0, bytes.numel())));
+    }
+  }
+  // Rank 0 passes a private buffer, the others shared ones: all take the ring together.
+  const auto before = c.stats();
+  auto input = make_input(c.rank(), 50001, at::kFloat);
+  auto t = c.rank() == 0 ? input : shared_copy(c, input);
+  c.allreduce(t, all, ReduceOp::kSum)->wait();
+  CHECK(count_wrong_any(t, all, ReduceOp::kSum) == 0);
+  if (n > 1) {
+    CHECK(c.stats().ring_allreduces == before.ring_allreduces + 1);
+    CHECK(c.stats().shared_memory_allreduces == before.shared_memory_allreduces);
+  }
+  // With shared memory off, allocate() gives private memory and every all-reduce the ring.
+  MpiCommunicator off(shm_options(0, 0));
+  auto p = off.allocate(1000, at::kFloat);
+  std::string name;
+  uint64_t offset = 0;
+  CHECK_FALSE(detail::find_shared(p.data_ptr(), p.nbytes(), name, offset));
+  p.copy_(make_input(off.rank(), 1000, at::kFloat));
+  off.allreduce(p, all, ReduceOp::kAvg)->wait();
+  CHECK(count_wrong_any(p, all, ReduceOp::kAvg) == 0);
+  CHECK(off.stats().shared_memory_allreduces == 0);
+}
+
+TEST_CASE("shared-memory segments are released with their tensors", "[mpi]") {
+  MpiCommunicator c(shm_options(1, 0));
+  if (c.size() == 1)
+    return;
+  std::string name;
+  uint64_t offset = 0;
+  {
+    auto t = c.allocate(4096, at::kDouble);
+    REQUIRE(detail::find_shared(t.data_ptr(), t.nbytes(), name, offset));
+    CHECK(offset == 0);
+    CHECK(std::ifstream("/dev/shm" + name).good());
+  }
+  CHECK_FALSE(std::ifstream("/dev/shm" + name).good());
 }

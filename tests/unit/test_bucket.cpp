@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "decent_dp/bucket.h"
+#include "optim/adam.h"
 
 using namespace decent_dp;
 
@@ -81,4 +82,78 @@ TEST_CASE("bucket storage: views share the blocks, channels-last keeps its strid
   torch::NoGradGuard no_grad;
   storage.params.narrow(0, 128, 4).fill_(7.0);
   CHECK(bias.sum().item<double>() == 28.0);
+}
+
+TEST_CASE("bucket storage: swapping the parameter and communication blocks", "[bucket]") {
+  torch::manual_seed(1);
+  auto conv =
+      torch::randn({4, 3, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast).requires_grad_(true);
+  auto bias = torch::randn({4}).requires_grad_(true);
+  auto plan = plan_buckets({entry(0, conv.numel()), entry(1, bias.numel())}, 1 << 20);
+  auto storage = make_bucket_storage(plan[0], {conv, bias}, /*as_view=*/true);
+  torch::NoGradGuard no_grad;
+  REQUIRE(storage.comm_views.size() == 2);
+  CHECK(storage.comm_views[0].strides() == conv.strides());
+  CHECK(storage.comm_views[0].is_alias_of(storage.comm));
+  const auto incoming = torch::randn({storage.comm.numel()});
+  incoming.narrow(0, 108, 128 - 108).zero_();  // padding stays zero
+  incoming.narrow(0, 132, incoming.numel() - 132).zero_();
+  storage.comm.copy_(incoming);
+  const auto old_block = storage.params;
+  const auto grad_before = conv.grad();
+  const auto* conv_impl = conv.unsafeGetTensorImpl();
+  swap_param_and_comm_blocks(storage, {conv, bias});
+  CHECK(conv.unsafeGetTensorImpl() == conv_impl);  // the same parameter, new data
+  CHECK(conv.is_alias_of(storage.params));
+  CHECK(bias.is_alias_of(storage.params));
+  CHECK(storage.comm.is_same(old_block));
+  CHECK(torch::equal(storage.params, incoming));
+  CHECK(conv.strides() == storage.comm_views[0].strides());
+  CHECK(conv.is_contiguous(at::MemoryFormat::ChannelsLast));
+  CHECK(torch::equal(bias, incoming.narrow(0, 128, 4)));
+  CHECK(conv.grad().is_same(grad_before));  // gradients stay where they were
+  CHECK(storage.param_views[0].is_alias_of(storage.params));
+  CHECK(storage.comm_views[1].is_alias_of(storage.comm));
+  CHECK_THROWS_WITH(swap_param_and_comm_blocks(storage, {conv}),
+                    Catch::Contains("expected 2 tensors to rebind, got 1"));
+}
+
+TEST_CASE("bucket storage: a fused optimizer keeps its flat state across block swaps", "[bucket]") {
+  // Two identical flat buckets step the same gradients; one swaps blocks before every step
+  // (with the same values in both blocks), the other does not: bit-identical parameters, and
+  // the swapping one keeps its moment blocks (no reallocation, no reset).
+  auto make = [](std::vector<at::Tensor>& params) {
+    torch::manual_seed(2);
+    params = {torch::randn({16, 8}).requires_grad_(true), torch::randn({16}).requires_grad_(true)};
+    auto plan = plan_buckets({entry(0, 128), entry(1, 16)}, 1 << 20);
+    return make_bucket_storage(plan[0], params, /*as_view=*/true);
+  };
+  std::vector<at::Tensor> pa, pb;
+  auto sa = make(pa);
+  auto sb = make(pb);
+  optim::AdamW oa(pa, optim::AdamWOptions(1e-2).weight_decay(0.1));
+  optim::AdamW ob(pb, optim::AdamWOptions(1e-2).weight_decay(0.1));
+  const void* moment = nullptr;
+  for (int step = 0; step < 5; ++step) {
+    torch::NoGradGuard no_grad;
+    torch::manual_seed(100 + step);
+    const auto g = torch::randn({sa.grads.numel()});
+    g.narrow(0, 128, 16).zero_();  // padding of w's slot
+    g.narrow(0, 144, g.numel() - 144).zero_();
+    sa.grads.copy_(g);
+    sb.grads.copy_(g);
+    sb.comm.copy_(sb.params);
+    swap_param_and_comm_blocks(sb, pb);
+    oa.step();
+    ob.step();
+    CHECK(torch::equal(pa[0], pb[0]));
+    CHECK(torch::equal(pa[1], pb[1]));
+    auto& state =
+        static_cast<optim::AdamFamilyParamState&>(*ob.state().at(pb[0].unsafeGetTensorImpl()));
+    if (moment == nullptr)
+      moment = state.exp_avg().data_ptr();
+    CHECK(state.exp_avg().data_ptr() == moment);
+    CHECK(state.step() == step + 1);
+  }
+  CHECK(ob.last_flat_groups() == 1);
 }

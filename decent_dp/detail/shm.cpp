@@ -1,0 +1,316 @@
+#include "decent_dp/detail/shm.h"
+
+#include <ATen/ops/from_blob.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include "decent_dp/errors.h"
+
+namespace decent_dp {
+namespace detail {
+namespace {
+
+struct Segment {
+  size_t bytes;
+  std::string name;
+};
+
+// This process's segments by base address.
+std::mutex g_segments_mutex;
+std::map<uintptr_t, Segment>& segments() {
+  static auto* map = new std::map<uintptr_t, Segment>();  // outlives static tensors
+  return *map;
+}
+
+std::string errno_text(int code) {
+  return std::string(std::strerror(code));
+}
+
+size_t page_round(size_t bytes) {
+  const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return (std::max<size_t>(bytes, 1) + page - 1) / page * page;
+}
+
+void check(int rc, const char* call) {
+  if (rc != MPI_SUCCESS) {
+    char buffer[MPI_MAX_ERROR_STRING];
+    int length = 0;
+    MPI_Error_string(rc, buffer, &length);
+    throw CommError(cat(call, " failed in the shared-memory all-reduce: ",
+                        std::string(buffer, static_cast<size_t>(length))));
+  }
+}
+
+}  // namespace
+
+at::Tensor allocate_shared(int64_t numel, c10::ScalarType dtype, std::string& why) {
+  static std::atomic<uint64_t> counter{0};
+  const size_t bytes = page_round(static_cast<size_t>(numel) * c10::elementSize(dtype));
+  const std::string name = cat("/decent_dp.", getpid(), ".", counter.fetch_add(1));
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    why = cat("shm_open(", name, "): ", errno_text(errno));
+    return {};
+  }
+  // Reserve the pages now: a full /dev/shm then fails here instead of faulting later.
+  const int rc = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (rc != 0) {
+    close(fd);
+    shm_unlink(name.c_str());
+    why = cat("reserving ", bytes, " bytes in ", name, ": ", errno_text(rc));
+    return {};
+  }
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int map_errno = errno;
+  close(fd);
+  if (base == MAP_FAILED) {
+    shm_unlink(name.c_str());
+    why = cat("mmap of ", name, ": ", errno_text(map_errno));
+    return {};
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_segments_mutex);
+    segments()[reinterpret_cast<uintptr_t>(base)] = Segment{bytes, name};
+  }
+  auto release = [bytes, name](void* p) {
+    {
+      std::lock_guard<std::mutex> lock(g_segments_mutex);
+      segments().erase(reinterpret_cast<uintptr_t>(p));
+    }
+    munmap(p, bytes);
+    shm_unlink(name.c_str());
+  };
+  return at::from_blob(base, {numel}, release, at::TensorOptions().dtype(dtype));
+}
+
+bool find_shared(const void* ptr, size_t bytes, std::string& name, uint64_t& offset) {
+  const auto p = reinterpret_cast<uintptr_t>(ptr);
+  std::lock_guard<std::mutex> lock(g_segments_mutex);
+  auto& map = segments();
+  auto it = map.upper_bound(p);
+  if (it == map.begin()) {
+    return false;
+  }
+  --it;
+  if (p + bytes > it->first + it->second.bytes) {
+    return false;
+  }
+  name = it->second.name;
+  offset = p - it->first;
+  return true;
+}
+
+PeerSegment::PeerSegment(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd < 0) {
+    throw CommError(cat("cannot open the shared-memory segment ", name,
+                        " of a group member: ", errno_text(errno),
+                        " (set DECENT_DP_SHM=0 on every rank to use MPI messages only)"));
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    const int e = errno;
+    close(fd);
+    throw CommError(cat("fstat of shared-memory segment ", name, ": ", errno_text(e)));
+  }
+  size_ = static_cast<size_t>(st.st_size);
+  base_ = mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
+  const int e = errno;
+  close(fd);
+  if (base_ == MAP_FAILED) {
+    base_ = nullptr;
+    throw CommError(cat("mmap of shared-memory segment ", name, ": ", errno_text(e)));
+  }
+}
+
+PeerSegment::~PeerSegment() {
+  if (base_ != nullptr) {
+    munmap(base_, size_);
+  }
+}
+
+std::shared_ptr<PeerSegment> PeerSegmentCache::get(const std::string& name) {
+  ++clock_;
+  auto it = mapped_.find(name);
+  if (it != mapped_.end()) {
+    it->second.first = clock_;
+    return it->second.second;
+  }
+  if (mapped_.size() >= kMaxMapped) {
+    auto oldest = std::min_element(
+        mapped_.begin(), mapped_.end(),
+        [](const auto& a, const auto& b) { return a.second.first < b.second.first; });
+    mapped_.erase(oldest);
+  }
+  auto segment = std::make_shared<PeerSegment>(name);
+  mapped_[name] = {clock_, segment};
+  return segment;
+}
+
+ShmAllreduce::ShmAllreduce(const char* input, char* output, int64_t numel, c10::ScalarType dtype,
+                           bool average, MPI_Comm comm, int index, int size, int tag,
+                           ScratchPool& pool, PeerSegmentCache& peers)
+    : input_(input),
+      output_(output),
+      numel_(numel),
+      dtype_(dtype),
+      average_(average),
+      comm_(comm),
+      index_(index),
+      size_(size),
+      tag_(tag),
+      pool_(pool),
+      peers_(peers),
+      element_size_(static_cast<int64_t>(c10::elementSize(dtype))) {
+  offsets_.resize(size_ + 1);
+  const int64_t base = numel / size_;
+  const int64_t extra = numel % size_;
+  for (int c = 0; c < size_; ++c) {
+    offsets_[c + 1] = offsets_[c] + base + (c < extra ? 1 : 0);
+  }
+  const auto bytes = static_cast<size_t>(numel * element_size_);
+  std::string in_name, out_name;
+  uint64_t in_offset = 0, out_offset = 0;
+  const bool shared = find_shared(input, bytes, in_name, in_offset) &&
+                      find_shared(output, bytes, out_name, out_offset);
+  const std::string names = shared ? in_name + "|" + out_name : std::string();
+  mine_.shared = shared && names.size() < sizeof(mine_.name) ? 1 : 0;
+  if (mine_.shared) {
+    std::memcpy(mine_.name, names.c_str(), names.size() + 1);
+  }
+  mine_.input_offset = in_offset;
+  mine_.output_offset = out_offset;
+  mine_.numel = numel;
+  mine_.dtype = static_cast<int32_t>(dtype);
+  theirs_.resize(size_);
+  signal_in_.resize(size_);
+}
+
+std::vector<MPI_Request> ShmAllreduce::post_all(int stage) {
+  std::vector<MPI_Request> requests;
+  requests.reserve(2 * (size_ - 1));
+  for (int m = 0; m < size_; ++m) {
+    if (m == index_) {
+      continue;
+    }
+    MPI_Request r = MPI_REQUEST_NULL;
+    if (stage == 0) {
+      check(MPI_Irecv(&theirs_[m], sizeof(Descriptor), MPI_BYTE, m, tag_, comm_, &r), "MPI_Irecv");
+    } else {
+      check(MPI_Irecv(&signal_in_[m], 1, MPI_INT32_T, m, tag_, comm_, &r), "MPI_Irecv");
+    }
+    requests.push_back(r);
+  }
+  // The writes this member made (its input, its reduced chunk) are visible to the peers
+  // before they learn of them.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  for (int m = 0; m < size_; ++m) {
+    if (m == index_) {
+      continue;
+    }
+    MPI_Request r = MPI_REQUEST_NULL;
+    if (stage == 0) {
+      check(MPI_Isend(&mine_, sizeof(Descriptor), MPI_BYTE, m, tag_, comm_, &r), "MPI_Isend");
+    } else {
+      check(MPI_Isend(&signal_out_, 1, MPI_INT32_T, m, tag_, comm_, &r), "MPI_Isend");
+    }
+    requests.push_back(r);
+  }
+  return requests;
+}
+
+const char* ShmAllreduce::peer_input(int m) const {
+  return m == index_ ? input_ : segments_[2 * m]->data() + theirs_[m].input_offset;
+}
+
+const char* ShmAllreduce::peer_output(int m) const {
+  return m == index_ ? output_ : segments_[2 * m + 1]->data() + theirs_[m].output_offset;
+}
+
+std::vector<MPI_Request> ShmAllreduce::next() {
+  if (ring_) {
+    return ring_->next();
+  }
+  switch (stage_++) {
+    case 0:
+      return post_all(0);  // descriptors
+    case 1: {
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      theirs_[index_] = mine_;
+      bool shared = true;
+      for (int m = 0; m < size_; ++m) {
+        const Descriptor& d = theirs_[m];
+        if (d.numel != numel_ || d.dtype != static_cast<int32_t>(dtype_)) {
+          throw CommError(cat("all-reduce: group members disagree on the buffer: member ", m,
+                              " has ", d.numel, " elements of dtype ",
+                              c10::toString(static_cast<c10::ScalarType>(d.dtype)), ", member ",
+                              index_, " has ", numel_, " of ", c10::toString(dtype_)));
+        }
+        shared = shared && d.shared == 1;
+      }
+      if (!shared) {
+        // Some member's buffers are private: every member sees the same descriptors and
+        // takes the ring.
+        ring_ = std::make_unique<RingAllreduce>(input_, output_, numel_, dtype_, average_, comm_,
+                                                index_, size_, tag_, pool_);
+        return ring_->next();
+      }
+      segments_.resize(2 * size_);
+      const auto bytes = static_cast<uint64_t>(numel_ * element_size_);
+      for (int m = 0; m < size_; ++m) {
+        if (m == index_) {
+          continue;
+        }
+        const std::string names(theirs_[m].name);
+        const size_t bar = names.find('|');
+        segments_[2 * m] = peers_.get(names.substr(0, bar));
+        segments_[2 * m + 1] = peers_.get(names.substr(bar + 1));
+        if (theirs_[m].input_offset + bytes > segments_[2 * m]->size() ||
+            theirs_[m].output_offset + bytes > segments_[2 * m + 1]->size()) {
+          throw CommError(cat("all-reduce: member ", m, "'s buffer lies outside its segment"));
+        }
+      }
+      // Reduce the chunk this member owns: its own input first (so an in-place buffer is
+      // read before it is written), then the others in member order.
+      const int c = index_;
+      const int64_t offset = chunk_begin(c) * element_size_;
+      const int64_t n = chunk_size(c);
+      char* out = output_ + offset;
+      int added = 0;
+      for (int m = 0; m < size_; ++m) {
+        if (m == index_) {
+          continue;
+        }
+        ++added;
+        add_out(out, added == 1 ? input_ + offset : out, peer_input(m) + offset, n, dtype_,
+                added == size_ - 1 && average_ ? size_ : 1);
+      }
+      return post_all(1);  // "reduced"
+    }
+    case 2: {
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      for (int m = 0; m < size_; ++m) {
+        if (m == index_) {
+          continue;
+        }
+        const int64_t offset = chunk_begin(m) * element_size_;
+        std::memcpy(output_ + offset, peer_output(m) + offset,
+                    static_cast<size_t>(chunk_size(m) * element_size_));
+      }
+      return post_all(2);  // "copied"
+    }
+    default:
+      segments_.clear();
+      return {};
+  }
+}
+
+}  // namespace detail
+}  // namespace decent_dp

@@ -1,0 +1,127 @@
+// Note [shared-memory transport]
+// Ranks on one node can read each other's memory directly when it lives in POSIX shared
+// memory, which moves a buffer at copy-loop speed; Open MPI's single-copy path for large
+// messages (CMA, process_vm_readv) was measured at well under half of that. So
+// MpiCommunicator::allocate() places the blocks the wrappers exchange (Communicator::allocate
+// is how they get them) in named shared-memory segments, and an all-reduce whose group lies
+// on one node, with every member's input and output inside such segments, runs as:
+//
+//   1. every member sends every other member a descriptor (segment name and offsets of its
+//      input and output); if any member's buffers are not shared, all fall back to the ring
+//      (the decision is made from the same k descriptors on every member);
+//   2. member j reduces chunk j of the buffer straight from the members' inputs, summing in
+//      member order, into its own output, and tells the others ("reduced");
+//   3. each member copies chunk m from member m's output once m reduced it, and tells the
+//      others ("copied"); the operation completes once every member has copied this
+//      member's chunk, so no member changes an input or output another one still reads.
+//
+// The control messages are small MPI messages on the group's communicator and tag, so the
+// operation runs in the progress engine like the ring. Every chunk is reduced once, so all
+// members hold bit-identical results. Segments are unlinked when their tensor is freed; a
+// process killed before that leaves "/dev/shm/decent_dp.<pid>.<n>" behind.
+#pragma once
+
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "decent_dp/detail/ring_allreduce.h"
+
+namespace decent_dp {
+namespace detail {
+
+// A zero-filled CPU tensor of `numel` elements in a new shared-memory segment of this
+// process, or an undefined tensor when the segment cannot be created (e.g. /dev/shm is
+// full); `why` then says why.
+at::Tensor allocate_shared(int64_t numel, c10::ScalarType dtype, std::string& why);
+
+// Where `bytes` bytes at `ptr` lie in this process's segments: false when not inside one.
+bool find_shared(const void* ptr, size_t bytes, std::string& name, uint64_t& offset);
+
+// Another process's segment, mapped read-only.
+class PeerSegment {
+ public:
+  explicit PeerSegment(const std::string& name);  // throws CommError
+  ~PeerSegment();
+  PeerSegment(const PeerSegment&) = delete;
+  PeerSegment& operator=(const PeerSegment&) = delete;
+  const char* data() const { return static_cast<const char*>(base_); }
+  size_t size() const { return size_; }
+
+ private:
+  void* base_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Mappings of peers' segments by name, least recently used dropped beyond a bound (an
+// operation in flight keeps its own references). Used by the engine's token holder only.
+class PeerSegmentCache {
+ public:
+  std::shared_ptr<PeerSegment> get(const std::string& name);
+
+ private:
+  static constexpr size_t kMaxMapped = 64;
+  std::map<std::string, std::pair<uint64_t, std::shared_ptr<PeerSegment>>> mapped_;
+  uint64_t clock_ = 0;
+};
+
+// The all-reduce of Note [shared-memory transport], falling back to RingAllreduce.
+class ShmAllreduce {
+ public:
+  ShmAllreduce(const char* input, char* output, int64_t numel, c10::ScalarType dtype, bool average,
+               MPI_Comm comm, int index, int size, int tag, ScratchPool& pool,
+               PeerSegmentCache& peers);
+
+  // As RingAllreduce::next().
+  std::vector<MPI_Request> next();
+  // True once the members agreed to take the ring instead.
+  bool fell_back() const { return ring_ != nullptr; }
+
+ private:
+  struct Descriptor {
+    char name[128];  // "input segment|output segment"
+    uint64_t input_offset;
+    uint64_t output_offset;
+    int64_t numel;
+    int32_t dtype;
+    int32_t shared;  // 1 when input and output lie in shared segments
+  };
+  int64_t chunk_begin(int c) const { return offsets_[c]; }
+  int64_t chunk_size(int c) const { return offsets_[c + 1] - offsets_[c]; }
+  std::vector<MPI_Request> post_all(int stage);
+  const char* peer_input(int m) const;
+  const char* peer_output(int m) const;
+
+  const char* input_;
+  char* output_;
+  int64_t numel_;
+  c10::ScalarType dtype_;
+  bool average_;
+  MPI_Comm comm_;
+  int index_;
+  int size_;
+  int tag_;
+  ScratchPool& pool_;
+  PeerSegmentCache& peers_;
+  int64_t element_size_;
+  std::vector<int64_t> offsets_;
+  int stage_ = 0;
+  Descriptor mine_{};
+  std::vector<Descriptor> theirs_;
+  std::vector<std::shared_ptr<PeerSegment>> segments_;
+  std::vector<int32_t> signal_in_;
+  int32_t signal_out_ = 1;
+  std::unique_ptr<RingAllreduce> ring_;
+};
+
+}  // namespace detail
+}  // namespace decent_dp
