@@ -6,7 +6,9 @@
 // For every topology the world size allows and every slot of it, and every size from -b to
 // -e (times -f), each rank all-reduces a buffer over its group of that slot: first through
 // MpiCommunicator::allreduce (launch, then wait), then with MPI_Allreduce on an identical
-// sub-communicator. Columns and formulas: benchmarks/README.md.
+// sub-communicator. The buffer comes from MpiCommunicator::allocate (--buffer shared, the
+// default: what the wrappers exchange) or is ordinary memory (--buffer private). Columns and
+// formulas: benchmarks/README.md.
 #define OMPI_SKIP_MPICXX 1
 #include <mpi.h>
 
@@ -118,6 +120,11 @@ int main(int argc, char** argv) {
   app.add_option("-t,--topology", names, "topologies to measure (skipped when n does not fit)");
   app.add_option("--lws", lws, "ranks per node for alternating-exp-ring (default: 2)");
   app.add_option("-J,--json", json_path, "also write the results as JSON to this file");
+  std::string memory = "shared";
+  app.add_option("--buffer", memory,
+                 "shared: from MpiCommunicator::allocate, as the wrappers' blocks (shared memory "
+                 "between ranks of a node); private: ordinary memory (the ring over MPI messages)")
+      ->check(CLI::IsMember({"shared", "private"}));
   CLI11_PARSE(app, argc, argv);
   const int64_t min_bytes = std::max<int64_t>(4, parse_size(min_text));
   const int64_t max_bytes = parse_size(max_text);
@@ -128,14 +135,15 @@ int main(int argc, char** argv) {
   nlohmann::json results = nlohmann::json::array();
   if (rank == 0) {
     fmt::print(
-        "# gossip_bench: {} ranks, {} iterations after {} warm-up, float32, sum; time = "
-        "median over iterations of the slowest rank\n",
-        n, iters, warmup);
+        "# gossip_bench: {} ranks, {} iterations after {} warm-up, float32, sum, {} buffer; "
+        "time = median over iterations of the slowest rank\n",
+        n, iters, warmup, memory);
     fmt::print(
         "# library = decent_dp MpiCommunicator::allreduce (async + wait); mpi = "
         "MPI_Allreduce on the same group\n");
   }
-  at::Tensor buffer = at::empty({max_bytes / 4 + 1}, at::kFloat);
+  at::Tensor buffer = memory == "shared" ? comm.allocate(max_bytes / 4 + 1, at::kFloat)
+                                         : at::empty({max_bytes / 4 + 1}, at::kFloat);
   float* data = buffer.data_ptr<float>();
 
   for (const auto& name : names) {

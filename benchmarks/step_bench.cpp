@@ -5,7 +5,10 @@
 //   mpirun -n 2 build/bin/step_bench [--model conv|mlp] [--steps 10] [--batch 16] [--threads 1]
 //
 // Every rank trains at the same time in every case, so the machine is equally loaded; the
-// time of a case is the slowest rank's mean over the timed steps.
+// time of a case in one round is the slowest rank's mean over the timed steps. Rounds run
+// every case in turn; the ratio to local training is the median over rounds of the ratio
+// within a round. CPU columns: the training thread's CPU time and that of every other thread
+// of the process (the communicator's progress thread), per step.
 #define OMPI_SKIP_MPICXX 1
 #include <mpi.h>
 
@@ -95,6 +98,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
   app.add_option("-t,--topology", topologies, "topologies (skipped when n does not fit)");
   app.add_option("-J,--json", json_path, "also write the results as JSON");
+  bool no_local_barrier = false, no_ddp = false;
+  app.add_flag("--no-local-barrier", no_local_barrier, "skip the local + barrier case");
+  app.add_flag("--no-ddp", no_ddp, "skip the DistributedDataParallel case");
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(threads);
 
@@ -123,6 +129,7 @@ int main(int argc, char** argv) {
     std::function<void()> step;
     std::function<void()> finish;
     std::vector<double> ms;
+    std::vector<double> main_cpu_ms;   // CPU time of the calling thread
     std::vector<double> other_cpu_ms;  // CPU time of threads other than the caller's
   };
   std::vector<Case> cases;
@@ -149,8 +156,9 @@ int main(int argc, char** argv) {
   local_case(false);
   // The same with every rank waiting for the others after each step: the cost of coupling
   // ranks step by step on this machine, without moving any data.
-  local_case(true);
-  {
+  if (!no_local_barrier)
+    local_case(true);
+  if (!no_ddp) {
     auto model = std::make_shared<decent_dp::DistributedDataParallel<torch::nn::Sequential>>(
         make(), decent_dp::DataParallelOptions(), optim_fn, nullptr, comm);
     keep.push_back(model);
@@ -198,28 +206,42 @@ int main(int argc, char** argv) {
           slowest(std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / steps));
       const double other = (cpu_ms(CLOCK_PROCESS_CPUTIME_ID) - process0) -
                            (cpu_ms(CLOCK_THREAD_CPUTIME_ID) - thread0);
-      c.other_cpu_ms.push_back(slowest(other / steps));
+      c.other_cpu_ms.push_back(slowest(std::max(0.0, other) / steps));
+      c.main_cpu_ms.push_back(slowest((cpu_ms(CLOCK_THREAD_CPUTIME_ID) - thread0) / steps));
     }
   }
+  // Load on this machine drifts between minutes, and the rounds interleave the cases: the
+  // headline ratio is paired, the median over rounds of (case / local) within one round.
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
   nlohmann::json rows = nlohmann::json::array();
-  double local_ms = 0;
+  const std::vector<double> local_rounds = cases.front().ms;
+  const double local_ms = median(local_rounds);
+  if (rank == 0) {
+    fmt::print("{:<40} {:>9} {:>8} {:>9} {:>17} {:>13}\n", "case", "ms/step", "x local",
+               "(medians)", "rounds ms", "CPU ms/step: caller, other threads");
+  }
   for (auto& c : cases) {
-    std::sort(c.ms.begin(), c.ms.end());
-    const double ms = c.ms[c.ms.size() / 2];
-    std::sort(c.other_cpu_ms.begin(), c.other_cpu_ms.end());
-    const double other_cpu = c.other_cpu_ms[c.other_cpu_ms.size() / 2];
-    if (local_ms == 0)
-      local_ms = ms;
+    std::vector<double> paired;
+    for (size_t r = 0; r < c.ms.size(); ++r)
+      paired.push_back(c.ms[r] / local_rounds[r]);
+    const double ratio = median(paired);
+    const double ms = median(c.ms);
+    const double main_cpu = median(c.main_cpu_ms);
+    const double other_cpu = median(c.other_cpu_ms);
+    const auto [lo, hi] = std::minmax_element(c.ms.begin(), c.ms.end());
     if (rank == 0) {
-      fmt::print(
-          "{:<40} {:>9.1f} ms/step  {:>6.3f}x local   (rounds: {:.1f} .. {:.1f}; other threads' "
-          "CPU {:.1f} ms/step)\n",
-          c.name, ms, ms / local_ms, c.ms.front(), c.ms.back(), other_cpu);
+      fmt::print("{:<40} {:>9.1f} {:>7.3f}x {:>9.3f} {:>8.1f} .. {:<6.1f} {:>8.1f}, {:.1f}\n",
+                 c.name, ms, ratio, ms / local_ms, *lo, *hi, main_cpu, other_cpu);
     }
     rows.push_back({{"case", c.name},
                     {"ms_per_step", ms},
-                    {"ratio_to_local", ms / local_ms},
+                    {"ratio_to_local", ratio},
+                    {"ratio_of_medians", ms / local_ms},
                     {"rounds_ms", c.ms},
+                    {"caller_cpu_ms_per_step", main_cpu},
                     {"other_threads_cpu_ms_per_step", other_cpu}});
   }
   if (rank == 0 && !json_path.empty()) {
