@@ -143,6 +143,21 @@ std::shared_ptr<PeerSegment> PeerSegmentCache::get(const std::string& name) {
     it->second.first = clock_;
     return it->second.second;
   }
+  // A miss means a new segment: drop mappings of segments their owners have freed since
+  // (the name is gone), so freed memory is not kept alive here.
+  for (auto stale = mapped_.begin(); stale != mapped_.end();) {
+    if (stale->second.second.use_count() == 1) {
+      const int fd = shm_open(stale->first.c_str(), O_RDONLY, 0);
+      if (fd < 0 && errno == ENOENT) {
+        stale = mapped_.erase(stale);
+        continue;
+      }
+      if (fd >= 0) {
+        close(fd);
+      }
+    }
+    ++stale;
+  }
   if (mapped_.size() >= kMaxMapped) {
     auto oldest = std::min_element(
         mapped_.begin(), mapped_.end(),

@@ -62,14 +62,15 @@ class PeerSegment {
   size_t size_ = 0;
 };
 
-// Mappings of peers' segments by name, least recently used dropped beyond a bound (an
-// operation in flight keeps its own references). Used by the engine's token holder only.
+// Mappings of peers' segments by name. Each miss drops the mappings of segments that their
+// owners have since freed, and beyond a bound the least recently used one (an operation in
+// flight keeps its own references). Used by the engine's token holder only.
 class PeerSegmentCache {
  public:
   std::shared_ptr<PeerSegment> get(const std::string& name);
 
  private:
-  static constexpr size_t kMaxMapped = 64;
+  static constexpr size_t kMaxMapped = 4096;
   std::map<std::string, std::pair<uint64_t, std::shared_ptr<PeerSegment>>> mapped_;
   uint64_t clock_ = 0;
 };

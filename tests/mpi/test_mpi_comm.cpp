@@ -485,4 +485,41 @@ TEST_CASE("shared-memory segments are released with their tensors", "[mpi]") {
     CHECK(std::ifstream("/dev/shm" + name).good());
   }
   CHECK_FALSE(std::ifstream("/dev/shm" + name).good());
+
+  // Peers drop their mappings of a segment once its owner freed it, at their next new one.
+  const int n = c.size();
+  std::vector<int> all(n);
+  for (int r = 0; r < n; ++r)
+    all[r] = r;
+  auto mapped = [](const std::string& segment) {
+    std::ifstream maps("/proc/self/maps");
+    const std::string path = "/dev/shm" + segment;
+    std::string line;
+    while (std::getline(maps, line)) {
+      const size_t at = line.find(path);
+      if (at != std::string::npos &&
+          (at + path.size() == line.size() || line[at + path.size()] == ' '))
+        return true;
+    }
+    return false;
+  };
+  std::string first_name;
+  {
+    auto t = c.allocate(1 << 16, at::kFloat);
+    REQUIRE(detail::find_shared(t.data_ptr(), t.nbytes(), first_name, offset));
+    c.allreduce(t, all, ReduceOp::kSum)->wait();
+    // Every rank's segment name, to look for the peers' in this process's mappings.
+    auto mine = at::zeros({128}, at::kByte);
+    std::memcpy(mine.data_ptr(), first_name.c_str(), first_name.size());
+    auto names = at::zeros({128 * n}, at::kByte);
+    c.allgather(names, mine)->wait();
+    const int peer = (c.rank() + 1) % n;
+    first_name = std::string(static_cast<const char*>(names.data_ptr()) + 128 * peer);
+    CHECK(mapped(first_name));  // the peer's segment, mapped by the all-reduce
+    c.barrier();
+  }
+  c.barrier();  // every rank freed its segment
+  auto u = c.allocate(1 << 16, at::kFloat);
+  c.allreduce(u, all, ReduceOp::kSum)->wait();
+  CHECK_FALSE(mapped(first_name));
 }
