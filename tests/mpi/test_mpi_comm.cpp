@@ -106,6 +106,19 @@ std::vector<std::unique_ptr<topology::Topology>> topologies_for(int n) {
   return out;
 }
 
+// Checks that every rank holds the same bytes in `t`.
+void check_same_bytes_everywhere(Communicator& c, const at::Tensor& t) {
+  const int n = c.size();
+  auto bytes = t.view(at::kByte).clone();
+  auto gathered = at::empty({bytes.numel() * n}, at::kByte);
+  c.allgather(gathered, bytes)->wait();
+  for (int r = 1; r < n; ++r) {
+    INFO("rank " << r << " vs rank 0, dtype " << t.scalar_type());
+    CHECK(gathered.narrow(0, r * bytes.numel(), bytes.numel())
+              .equal(gathered.narrow(0, 0, bytes.numel())));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("ranks and local ranks", "[mpi]") {
@@ -328,14 +341,7 @@ TEST_CASE("every member of a group ends with bit-identical results", "[mpi]") {
     for (int r = 0; r < n; ++r)
       all[r] = r;
     c.allreduce(t, all, ReduceOp::kAvg)->wait();
-    auto bytes = t.view(at::kByte);
-    auto gathered = at::empty({bytes.numel() * n}, at::kByte);
-    c.allgather(gathered, bytes)->wait();
-    for (int r = 1; r < n; ++r) {
-      INFO("rank " << r << " vs rank 0, dtype " << dtype);
-      CHECK(gathered.narrow(0, r * bytes.numel(), bytes.numel())
-                .equal(gathered.narrow(0, 0, bytes.numel())));
-    }
+    check_same_bytes_everywhere(c, t);
   }
 }
 
@@ -441,14 +447,7 @@ TEST_CASE("shared-memory all-reduce: bit-identical members, mixed buffers fall b
     auto t =
         shared_copy(c, at::arange(100003, at::kDouble).mul(0.001 * (c.rank() + 1)).sin().to(dtype));
     c.allreduce(t, all, ReduceOp::kAvg)->wait();
-    auto bytes = t.view(at::kByte).clone();
-    auto gathered = at::empty({bytes.numel() * n}, at::kByte);
-    c.allgather(gathered, bytes)->wait();
-    for (int r = 1; r < n; ++r) {
-      INFO("rank " << r << " vs rank 0, dtype " << dtype);
-      CHECK(gathered.narrow(0, r * bytes.numel(), bytes.numel())
-                .equal(gathered.narrow(0, 0, bytes.numel())));
-    }
+    check_same_bytes_everywhere(c, t);
   }
   // Rank 0 passes a private buffer, the others shared ones: all take the ring together.
   const auto before = c.stats();
