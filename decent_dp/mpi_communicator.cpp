@@ -310,9 +310,25 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
       d.node_of.assign(d.size, -1);
       DECENT_DP_MPI_CHECK(
           MPI_Allgather(&leader, 1, MPI_INT, d.node_of.data(), 1, MPI_INT, d.world));
+      // The transport choice must agree (Note [shared-memory transport]): every rank sees
+      // the same table and fails the same way.
+      const int64_t mine[2] = {d.shared_memory ? 1 : 0, d.shared_memory_min_bytes};
+      std::vector<int64_t> all(2 * static_cast<size_t>(d.size));
+      DECENT_DP_MPI_CHECK(MPI_Allgather(mine, 2, MPI_INT64_T, all.data(), 2, MPI_INT64_T, d.world));
+      for (int r = 1; r < d.size; ++r) {
+        if (all[2 * r] != all[0] || all[2 * r + 1] != all[1]) {
+          throw InvalidArgument(cat(
+              "MpiCommunicator: shared-memory settings must be the same on every rank (MpiOptions::"
+              "shared_memory / DECENT_DP_SHM and shared_memory_min_bytes): rank 0 has ",
+              all[0], " / ", all[1], ", rank ", r, " has ", all[2 * r], " / ", all[2 * r + 1]));
+        }
+      }
     });
   } catch (...) {
     const bool clean = d.engine->stop();
+    if (clean && d.world != MPI_COMM_NULL) {
+      MPI_Comm_free(&d.world);
+    }
     release_mpi(!clean);
     throw;
   }

@@ -471,6 +471,18 @@ TEST_CASE("shared-memory all-reduce: bit-identical members, mixed buffers fall b
   CHECK(off.stats().shared_memory_allreduces == 0);
 }
 
+TEST_CASE("shared-memory settings that differ across ranks are one clear error", "[mpi]") {
+  if (comm().size() == 1)
+    return;
+  CHECK_THROWS_WITH(MpiCommunicator(shm_options(comm().rank() == 0 ? 0 : 1, 0)),
+                    Catch::Contains("shared-memory settings must be the same on every rank") &&
+                        Catch::Contains("rank 0 has 0 / 0, rank 1 has 1 / 0"));
+  CHECK_THROWS_WITH(MpiCommunicator(shm_options(1, comm().rank() == 0 ? 0 : 4096)),
+                    Catch::Contains("rank 0 has 1 / 0, rank 1 has 1 / 4096"));
+  MpiCommunicator fine(shm_options(1, 0));  // and communicators still work afterwards
+  fine.barrier();
+}
+
 TEST_CASE("shared-memory segments are released with their tensors", "[mpi]") {
   MpiCommunicator c(shm_options(1, 0));
   if (c.size() == 1)
