@@ -2,9 +2,9 @@
 // DistributedDataParallel (classic all-reduce, spec §9): a torch::nn::Module that wraps the
 // user's module, groups its parameters into flat buckets in gradient-ready order, hooks the
 // gradient accumulators, and takes each bucket's optimizer step inside backward. After its
-// step a bucket's gradients are released (set to none, as zero_grad() does by default; with
-// param_as_bucket_view = false they are zeroed instead), so
-// p.grad() is undefined once backward returns (Note [releasing gradients]).
+// step a bucket's gradients are released (set to none, as zero_grad() does by default), so
+// p.grad() is undefined once backward returns (Note [releasing gradients]); with
+// param_as_bucket_view = false they are zeroed instead.
 // Users include decent_dp/decentralized_data_parallel.h or
 // decent_dp/distributed_data_parallel.h, whose header templates add forward().
 #pragma once
