@@ -91,6 +91,12 @@ DataParallelOptions small_buckets(const std::string& topology, int lws) {
   return o;
 }
 
+// The simulator's loss for replica r at step s of an MLP test.
+at::Tensor mlp_loss(torch::nn::Module& m, int r, int s) {
+  auto b = batch_for(false, r, s);
+  return torch::mse_loss(static_cast<torch::nn::SequentialImpl&>(m).forward(b.x), b.y);
+}
+
 }  // namespace
 
 TEST_CASE("decentralized training matches the simulator for every topology", "[ddp]") {
@@ -161,12 +167,7 @@ TEST_CASE("SGD with momentum and an adaptive factor match the simulator", "[ddp]
   for (int step = 0; step < 15; ++step) {
     auto b = batch_for(false, rank, step);
     torch::mse_loss(model.forward(b.x), b.y).backward();
-    sim.step(
-        [&](torch::nn::Module& m, int r, int s) {
-          auto bb = batch_for(false, r, s);
-          return torch::mse_loss(static_cast<torch::nn::SequentialImpl&>(m).forward(bb.x), bb.y);
-        },
-        step);
+    sim.step(mlp_loss, step);
   }
   check_matches(*net, sim.model(rank), 1e-5);
   CHECK(model.adaptive_factor() == 0.5);
@@ -208,12 +209,7 @@ TEST_CASE("stock torch::optim, copies instead of views, and gradient clipping ma
     for (int step = 0; step < 10; ++step) {
       auto b = batch_for(false, rank, step);
       torch::mse_loss(model.forward(b.x), b.y).backward();
-      sim.step(
-          [&](torch::nn::Module& m, int r, int s) {
-            auto bb = batch_for(false, r, s);
-            return torch::mse_loss(static_cast<torch::nn::SequentialImpl&>(m).forward(bb.x), bb.y);
-          },
-          step);
+      sim.step(mlp_loss, step);
     }
     model.synchronize();
     check_matches(*net, sim.model(rank), 1e-5);
