@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -492,7 +493,7 @@ void DataParallelCore::process_bucket(size_t b) {
   }
   // Gossip (spec §2, §3): apply the exchange launched after the previous update.
   if (bucket.work) {
-    bucket.work->wait();
+    wait_for_exchange(*bucket.work);
     const topology::Group& g = *bucket.group;
     if (auto* hook = dynamic_cast<PreMixingHook*>(bucket.optimizer.get())) {
       hook->pre_mix(g, g.self_weight, bucket.storage.comm);
@@ -531,17 +532,28 @@ void DataParallelCore::step_reduced_buckets(bool block) {
     Bucket& bucket = buckets_[awaiting_step_[done]];
     if (!block && !bucket.work->is_completed())
       break;
-    bucket.work->wait();
+    wait_for_exchange(*bucket.work);
     bucket.work.reset();
     step_bucket(bucket);
   }
   awaiting_step_.erase(awaiting_step_.begin(), awaiting_step_.begin() + done);
 }
 
+void DataParallelCore::wait_for_exchange(Work& work) {
+  if (work.is_completed()) {
+    work.wait();  // rethrows a stored error
+    return;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  work.wait();
+  exchange_wait_seconds_ +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 void DataParallelCore::synchronize() {
   for (auto& b : buckets_) {
     if (b.work)
-      b.work->wait();
+      wait_for_exchange(*b.work);
   }
 }
 

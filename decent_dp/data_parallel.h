@@ -118,6 +118,11 @@ class DataParallelCore : public torch::nn::Module {
   // Waits for every exchange in flight (their results are applied by the next update).
   void synchronize();
 
+  // Seconds this rank spent blocked on the wrappers' exchanges so far: in gossip mode waiting
+  // for the previous exchange before an update, in all-reduce mode waiting for a gradient
+  // reduction before the step, and in synchronize(). Exchanges that had finished cost nothing.
+  double exchange_wait_seconds() const { return exchange_wait_seconds_; }
+
  protected:
   // Called by forward() before the wrapped module's forward.
   void before_forward();
@@ -141,6 +146,7 @@ class DataParallelCore : public torch::nn::Module {
   void step_bucket(Bucket& bucket);
   void step_reduced_buckets(bool block);
   void reset_counting();
+  void wait_for_exchange(Work& work);
 
   std::shared_ptr<torch::nn::Module> module_;
   DataParallelOptions options_;
@@ -174,6 +180,7 @@ class DataParallelCore : public torch::nn::Module {
   int64_t steps_ = 0;
   int64_t updates_ = 0;
   double adaptive_factor_ = 1.0;
+  double exchange_wait_seconds_ = 0;
 
   // global_avg backup.
   std::vector<at::Tensor> backup_params_;

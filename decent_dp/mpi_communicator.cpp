@@ -190,6 +190,8 @@ struct MpiCommunicator::Impl {
   std::atomic<bool> warned_allocation{false};
   std::atomic<uint64_t> ring_allreduces{0};
   std::atomic<uint64_t> shared_allreduces{0};
+  std::atomic<uint64_t> allreduce_bytes_sent{0};
+  std::atomic<uint64_t> allreduce_bytes_received{0};
 
   // True when every rank of `ranks` is on this rank's node.
   bool same_node(const std::vector<int>& ranks) const {
@@ -499,8 +501,10 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
   detail::PeerSegmentCache* peers = &d.peers;
   std::atomic<uint64_t>* counter_ring = &d.ring_allreduces;
   std::atomic<uint64_t>* counter_shared = &d.shared_allreduces;
-  Next next = [state, engine, peers, counter_ring, counter_shared, group, input, data, numel, dtype,
-               average, try_shared] {
+  std::atomic<uint64_t>* counter_sent = &d.allreduce_bytes_sent;
+  std::atomic<uint64_t>* counter_received = &d.allreduce_bytes_received;
+  Next next = [state, engine, peers, counter_ring, counter_shared, counter_sent, counter_received,
+               group, input, data, numel, dtype, average, try_shared] {
     auto& [ring, shared] = *state;
     if (!ring && !shared) {
       const int tag = static_cast<int>(group->sequence++ % 32768u);
@@ -518,6 +522,10 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
     if (requests.empty()) {
       const bool by_shm = shared && !shared->fell_back();
       (by_shm ? counter_shared : counter_ring)->fetch_add(1);
+      counter_sent->fetch_add(
+          static_cast<uint64_t>(shared ? shared->bytes_sent() : ring->bytes_sent()));
+      counter_received->fetch_add(
+          static_cast<uint64_t>(shared ? shared->bytes_received() : ring->bytes_received()));
       ring.reset();  // returns the scratch buffer to the pool
       shared.reset();
     }
@@ -615,6 +623,8 @@ MpiStats MpiCommunicator::stats() const {
   MpiStats out;
   out.ring_allreduces = impl_->ring_allreduces.load();
   out.shared_memory_allreduces = impl_->shared_allreduces.load();
+  out.allreduce_bytes_sent = impl_->allreduce_bytes_sent.load();
+  out.allreduce_bytes_received = impl_->allreduce_bytes_received.load();
   return out;
 }
 

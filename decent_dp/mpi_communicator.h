@@ -21,6 +21,12 @@ namespace decent_dp {
 struct MpiStats {
   uint64_t ring_allreduces = 0;           // over MPI point-to-point messages
   uint64_t shared_memory_allreduces = 0;  // through shared memory
+  // Payload bytes of those all-reduces that this rank sent to and received from its group:
+  // MPI messages of the ring, and for the shared-memory path the bytes peers read of this
+  // rank's buffers and this rank read of theirs. Both are 2 (k-1)/k of the buffer per
+  // all-reduce over k ranks.
+  uint64_t allreduce_bytes_sent = 0;
+  uint64_t allreduce_bytes_received = 0;
 };
 
 struct MpiOptions {

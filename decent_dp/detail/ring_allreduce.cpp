@@ -197,6 +197,8 @@ std::vector<MPI_Request> RingAllreduce::next() {
     send_from = data_ + chunk_begin(send_chunk) * element_size_;
   }
   ++step_;
+  bytes_received_ += chunk_size(recv_chunk) * element_size_;
+  bytes_sent_ += chunk_size(send_chunk) * element_size_;
   MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   check(MPI_Irecv(recv_into, static_cast<int>(chunk_size(recv_chunk) * element_size_), MPI_BYTE,
                   left, tag_, comm_, &requests[0]),

@@ -61,6 +61,9 @@ class RingAllreduce {
   // Posts the next step's messages and returns their requests; returns none when the
   // operation is complete. Call again once every returned request has completed.
   std::vector<MPI_Request> next();
+  // Payload bytes this rank has posted to send and to receive so far.
+  int64_t bytes_sent() const { return bytes_sent_; }
+  int64_t bytes_received() const { return bytes_received_; }
 
  private:
   int64_t chunk_begin(int c) const { return offsets_[c]; }
@@ -80,6 +83,8 @@ class RingAllreduce {
   std::vector<int64_t> offsets_;
   int step_ = 0;
   int pending_chunk_ = -1;  // chunk received into scratch_ in the last reduce-scatter step
+  int64_t bytes_sent_ = 0;
+  int64_t bytes_received_ = 0;
 };
 
 }  // namespace detail

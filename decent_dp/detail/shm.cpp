@@ -249,6 +249,20 @@ const char* ShmAllreduce::peer_output(int m) const {
   return m == index_ ? output_ : segments_[2 * m + 1]->data() + theirs_[m].output_offset;
 }
 
+// Each peer reads this member's input for the chunk it owns and copies this member's reduced
+// chunk; this member does the same with every peer: both directions move
+// (n - own chunk) + (k - 1) * own chunk elements.
+int64_t ShmAllreduce::bytes_sent() const {
+  if (ring_) {
+    return ring_->bytes_sent();
+  }
+  return (numel_ - chunk_size(index_) + (size_ - 1) * chunk_size(index_)) * element_size_;
+}
+
+int64_t ShmAllreduce::bytes_received() const {
+  return ring_ ? ring_->bytes_received() : bytes_sent();
+}
+
 std::vector<MPI_Request> ShmAllreduce::next() {
   if (ring_) {
     return ring_->next();

@@ -86,6 +86,11 @@ class ShmAllreduce {
   std::vector<MPI_Request> next();
   // True once the members agreed to take the ring instead.
   bool fell_back() const { return ring_ != nullptr; }
+  // Payload bytes moved between this rank and its peers once complete: what the peers read
+  // of this rank's buffers (sent) and what this rank read of theirs (received); the ring's
+  // messages after a fall-back. Descriptors and completion signals are not counted.
+  int64_t bytes_sent() const;
+  int64_t bytes_received() const;
 
  private:
   struct Descriptor {

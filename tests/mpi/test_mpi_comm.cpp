@@ -383,6 +383,29 @@ at::Tensor shared_copy(Communicator& c, const at::Tensor& t) {
 
 }  // namespace
 
+namespace {
+
+// One all-reduce of `bytes` over all n ranks since `before`: summed over the ranks, the traffic
+// counters grow by 2 (n-1) * bytes in each direction, whatever the transport.
+void check_traffic(MpiCommunicator& c, const MpiStats& before, size_t bytes) {
+  const auto now = c.stats();
+  auto t = at::empty({2}, at::kLong);
+  t.data_ptr<int64_t>()[0] =
+      static_cast<int64_t>(now.allreduce_bytes_sent - before.allreduce_bytes_sent);
+  t.data_ptr<int64_t>()[1] =
+      static_cast<int64_t>(now.allreduce_bytes_received - before.allreduce_bytes_received);
+  std::vector<int> all(c.size());
+  for (int r = 0; r < c.size(); ++r)
+    all[r] = r;
+  c.allreduce(t, all, ReduceOp::kSum)->wait();
+  const int64_t expected = 2 * (c.size() - 1) * static_cast<int64_t>(bytes);
+  INFO("rank " << c.rank() << ": bytes sent and received over all ranks");
+  CHECK(t.data_ptr<int64_t>()[0] == expected);
+  CHECK(t.data_ptr<int64_t>()[1] == expected);
+}
+
+}  // namespace
+
 TEST_CASE("shared-memory all-reduce: closed forms, in and out of place, every group", "[mpi]") {
   // Every size goes through shared memory on this communicator (no minimum).
   MpiCommunicator c(shm_options(1, 0));
@@ -435,6 +458,7 @@ TEST_CASE("shared-memory all-reduce: closed forms, in and out of place, every gr
   if (n > 1) {
     CHECK(c.stats().shared_memory_allreduces == before.shared_memory_allreduces + 1);
   }
+  check_traffic(c, before, view.nbytes());
 }
 
 TEST_CASE("shared-memory all-reduce: bit-identical members, mixed buffers fall back", "[mpi]") {
@@ -459,6 +483,7 @@ TEST_CASE("shared-memory all-reduce: bit-identical members, mixed buffers fall b
     CHECK(c.stats().ring_allreduces == before.ring_allreduces + 1);
     CHECK(c.stats().shared_memory_allreduces == before.shared_memory_allreduces);
   }
+  check_traffic(c, before, t.nbytes());
   // With shared memory off, allocate() gives private memory and every all-reduce the ring.
   MpiCommunicator off(shm_options(0, 0));
   auto p = off.allocate(1000, at::kFloat);
