@@ -2,8 +2,12 @@
 // all-reduce DistributedDataParallel, and DecentralizedDataParallel for each topology the
 // world size allows — same model, same optimizer, same data sizes, run side by side.
 //
-//   mpirun -n 2 build/bin/step_bench [--model conv|resnet18|mlp] [--steps 10] [--batch 16]
-//   [--threads 1]
+//   mpirun -n 2 build/bin/step_bench [--model conv|mlp|resnet18|resnet20|cnn|...] [--steps 10]
+//   [--batch 16] [--threads 1] [--channels 3] [--image-size 32]
+//
+// conv is a VGG-style network and mlp a 21 M-parameter perceptron of this benchmark's own; the
+// other names are the models of examples/common (the trainer's), on images of --channels x
+// --image-size x --image-size.
 //
 // Every rank trains at the same time in every case, so the machine is equally loaded; the
 // time of a case in one round is the slowest rank's mean over the timed steps. Rounds run
@@ -28,6 +32,7 @@
 #include <time.h>
 
 #include "decent_dp/decent_dp.h"
+#include "examples/common/models.h"
 
 namespace {
 
@@ -52,60 +57,6 @@ torch::nn::Sequential make_conv() {
   s->push_back(torch::nn::Linear(512 * 2 * 2, 2048));
   s->push_back(torch::nn::ReLU());
   s->push_back(torch::nn::Linear(2048, 10));
-  return s;
-}
-
-// ResNet-18 for 32x32 images (3x3 stem, no max-pool; 11.2 M parameters, 62 tensors).
-struct BasicBlockImpl : torch::nn::Module {
-  BasicBlockImpl(int64_t in, int64_t out, int64_t stride)
-      : conv1(register_module(
-            "conv1",
-            torch::nn::Conv2d(
-                torch::nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false)))),
-        bn1(register_module("bn1", torch::nn::BatchNorm2d(out))),
-        conv2(register_module(
-            "conv2",
-            torch::nn::Conv2d(torch::nn::Conv2dOptions(out, out, 3).padding(1).bias(false)))),
-        bn2(register_module("bn2", torch::nn::BatchNorm2d(out))) {
-    if (stride != 1 || in != out) {
-      shortcut = register_module(
-          "shortcut",
-          torch::nn::Sequential(
-              torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)),
-              torch::nn::BatchNorm2d(out)));
-    }
-  }
-  torch::Tensor forward(const torch::Tensor& x) {
-    auto y = torch::relu(bn1(conv1(x)));
-    y = bn2(conv2(y));
-    return torch::relu(y + (shortcut ? shortcut->forward(x) : x));
-  }
-  torch::nn::Conv2d conv1;
-  torch::nn::BatchNorm2d bn1;
-  torch::nn::Conv2d conv2;
-  torch::nn::BatchNorm2d bn2;
-  torch::nn::Sequential shortcut{nullptr};
-};
-TORCH_MODULE(BasicBlock);
-
-torch::nn::Sequential make_resnet18() {
-  torch::manual_seed(0);
-  torch::nn::Sequential s;
-  s->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 64, 3).padding(1).bias(false)));
-  s->push_back(torch::nn::BatchNorm2d(64));
-  s->push_back(torch::nn::ReLU());
-  int64_t in = 64;
-  const int64_t widths[] = {64, 128, 256, 512};
-  for (int stage = 0; stage < 4; ++stage) {
-    for (int b = 0; b < 2; ++b) {
-      const int64_t stride = stage > 0 && b == 0 ? 2 : 1;
-      s->push_back(BasicBlock(in, widths[stage], stride));
-      in = widths[stage];
-    }
-  }
-  s->push_back(torch::nn::AdaptiveAvgPool2d(1));
-  s->push_back(torch::nn::Flatten());
-  s->push_back(torch::nn::Linear(512, 10));
   return s;
 }
 
@@ -145,8 +96,17 @@ int main(int argc, char** argv) {
   int steps = 5, warmup = 3, batch = 16, threads = 1, rounds = 5;
   std::vector<std::string> topologies = {"complete", "ring", "exp", "aer"};
   std::string json_path;
-  app.add_option("--model", model_name, "conv (VGG-style), resnet18 or mlp")
-      ->check(CLI::IsMember({"conv", "resnet18", "mlp"}));
+  std::vector<std::string> models = {"conv", "mlp"};
+  for (const auto& m : decent_dp::examples::model_names())
+    if (m != "mlp")
+      models.push_back(m);
+  int64_t channels = 3, image_size = 32;
+  app.add_option("--model", model_name, "conv (VGG-style), mlp (21 M) or an examples/common model")
+      ->check(CLI::IsMember(models));
+  app.add_option("--channels", channels, "input channels (examples/common models)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--image-size", image_size, "image side (examples/common models)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--steps", steps, "timed steps per case and round")->check(CLI::PositiveNumber);
   app.add_option("--rounds", rounds, "rounds over all cases")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
@@ -162,13 +122,20 @@ int main(int argc, char** argv) {
 
   auto comm = decent_dp::default_communicator();
   const int rank = comm->rank(), n = comm->size();
-  const bool conv = model_name != "mlp";
+  const bool common = model_name != "conv" && model_name != "mlp";
   auto make = [&] {
-    return model_name == "conv" ? make_conv()
-                                : (model_name == "resnet18" ? make_resnet18() : make_mlp());
+    if (model_name == "conv")
+      return make_conv();
+    if (model_name == "mlp")
+      return make_mlp();
+    torch::manual_seed(0);
+    return decent_dp::examples::make_model(model_name, channels, 10, image_size);
   };
   auto gen = at::make_generator<at::CPUGeneratorImpl>(rank + 1);
-  const auto x = conv ? at::randn({batch, 3, 32, 32}, gen) : at::randn({batch, 1024}, gen);
+  const auto x = model_name == "mlp"
+                     ? at::randn({batch, 1024}, gen)
+                     : (common ? at::randn({batch, channels, image_size, image_size}, gen)
+                               : at::randn({batch, 3, 32, 32}, gen));
   const auto y = at::randint(0, 10, {batch}, gen);
   auto optim_fn = decent_dp::optim::adamw();
   {
