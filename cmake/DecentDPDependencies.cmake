@@ -41,6 +41,8 @@ if(_python)
   if(_torch_rc EQUAL 0)
     list(APPEND CMAKE_PREFIX_PATH "${_torch_prefix}")
     set(DECENT_DP_TORCH_PREFIX "${_torch_prefix}" CACHE INTERNAL "")
+    # The Python of the example and sweep tests (it has matplotlib when it is the venv's).
+    set(DECENT_DP_PYTHON_EXECUTABLE "${_python}" CACHE INTERNAL "")
   endif()
 endif()
 find_package(Torch CONFIG)

@@ -1,0 +1,347 @@
+"""Running the resnet_cifar trainer under mpirun, reading its results, and plotting them.
+
+Shared by benchmarks/sweep, benchmarks/plot and examples/05_compare_topologies. Standard
+library plus matplotlib (only for the plots).
+
+A run folder (what the trainer's --output names) holds config.json, metrics.jsonl (one JSON
+object per epoch), metrics.csv (the same rows), summary.json (written last: its presence
+marks a finished run) and log.txt (the trainer's output, when run from here).
+"""
+
+import csv
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# Names of a "case": how the ranks train and, for gossip, the topology.
+NON_GOSSIP = ("allreduce", "local")
+
+
+def use_project_python():
+    """Re-executes the calling script with the project's virtual environment (scripts/bootstrap)
+    when this Python has no matplotlib."""
+    try:
+        import matplotlib  # noqa: F401
+        return
+    except ImportError:
+        pass
+    venv = os.environ.get("DECENT_DP_VENV") or os.path.expanduser("~/.cache/decent_dp/venv")
+    python = os.path.join(venv, "bin", "python")
+    if os.path.realpath(sys.prefix) != os.path.realpath(venv) and os.access(python, os.X_OK):
+        os.execv(python, [python] + sys.argv)
+    raise SystemExit(f"error: matplotlib is missing and {python} does not exist; run "
+                     f"scripts/bootstrap")
+
+
+def find_trainer(build_dir=None):
+    build_dir = build_dir or os.environ.get("DECENT_DP_BUILD_DIR") or os.path.join(ROOT, "build")
+    path = os.path.join(build_dir, "bin", "resnet_cifar")
+    if not os.access(path, os.X_OK):
+        raise SystemExit(f"error: no trainer at {path}; build first (scripts/build) or pass "
+                         f"--build-dir")
+    return path
+
+
+def mpirun_prefix(ranks):
+    mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
+    if mpirun is None:
+        raise SystemExit("error: mpirun not found; run scripts/bootstrap")
+    return [mpirun, "-n", str(ranks), "--oversubscribe", "--bind-to", "none"]
+
+
+def mpirun_env():
+    env = dict(os.environ)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def case_settings(case):
+    """Trainer settings of a case name: 'allreduce', 'local' or a topology name."""
+    if case in NON_GOSSIP:
+        return {"mode": case}
+    return {"mode": "decentralized", "topology": case}
+
+
+def run_trainer(settings, ranks, out_dir, trainer, echo=True, timeout=None):
+    """Runs the trainer with `settings` (flag name -> value) on `ranks` ranks into `out_dir`.
+    Returns the exit code; the output goes to out_dir/log.txt (and to stdout with `echo`)."""
+    os.makedirs(out_dir, exist_ok=True)
+    settings = dict(settings, output=out_dir, progress="lines")
+    config = os.path.join(out_dir, "settings.json")
+    with open(config, "w") as f:
+        json.dump(settings, f, indent=2)
+    cmd = mpirun_prefix(ranks) + [trainer, "--config", config]
+    with open(os.path.join(out_dir, "log.txt"), "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=mpirun_env(), text=True)
+        start = time.time()
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            if echo:
+                sys.stdout.write("  " + line)
+                sys.stdout.flush()
+            if timeout is not None and time.time() - start > timeout:
+                proc.kill()
+                break
+        return proc.wait()
+
+
+def read_run(run_dir):
+    """{'dir', 'config', 'rows', 'summary'} of a run folder; summary is None when unfinished."""
+    out = {"dir": run_dir, "config": {}, "rows": [], "summary": None}
+    path = os.path.join(run_dir, "config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            out["config"] = json.load(f)
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            out["rows"] = [json.loads(line) for line in f if line.strip()]
+    path = os.path.join(run_dir, "summary.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            out["summary"] = json.load(f)
+    return out
+
+
+# ---- sweeps ----
+
+def load_sweep(path):
+    with open(path) as f:
+        try:
+            spec = json.load(f)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"error: {path} is not valid JSON: {e}")
+    if not isinstance(spec, dict) or "grid" not in spec:
+        raise SystemExit(f"error: {path}: expected an object with 'name', 'base' and 'grid'")
+    spec.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+    spec.setdefault("base", {})
+    for key, values in spec["grid"].items():
+        if not isinstance(values, list) or not values:
+            raise SystemExit(f"error: {path}: grid entry '{key}' must be a non-empty list")
+    if "ranks" not in spec["grid"] and "ranks" not in spec["base"]:
+        raise SystemExit(f"error: {path}: give 'ranks' (world sizes) in 'grid' or 'base'")
+    return spec
+
+
+def points(spec):
+    """The grid's points in order: (name, ranks, case, trainer settings)."""
+    grid = spec["grid"]
+    keys = list(grid.keys())
+    out = []
+    for values in itertools.product(*(grid[k] for k in keys)):
+        p = dict(spec["base"])
+        p.update(zip(keys, values))
+        ranks = int(p.pop("ranks"))
+        case = p.pop("case", None)
+        if case is not None:
+            p.update(case_settings(case))
+        if p.get("topology") in ("aer", "alternating-exp-ring") and "lws" not in p:
+            # One machine has no nodes: emulate two per world, as step_bench does.
+            p["lws"] = max(2, ranks // 2)
+        else:
+            case = p.get("topology", "complete") if p.get("mode", "decentralized") == \
+                "decentralized" else p["mode"]
+        parts = []
+        for k, v in zip(keys, values):
+            parts.append(f"n{v}" if k == "ranks" else (str(v) if k in ("case", "model", "dataset",
+                                                                          "optimizer") else
+                                                        f"{k}{v}"))
+        name = "_".join(parts).replace("/", "-").replace(" ", "")
+        out.append((name, ranks, case, p))
+    return out
+
+
+def run_sweep(spec, results_dir, trainer, data_dir=None, echo=True, only=None):
+    """Runs every point of `spec` whose summary.json is missing; writes the merged CSVs."""
+    sweep_dir = os.path.join(results_dir, spec["name"])
+    os.makedirs(sweep_dir, exist_ok=True)
+    with open(os.path.join(sweep_dir, "sweep.json"), "w") as f:
+        json.dump(spec, f, indent=2)
+    failed = []
+    pts = points(spec)
+    for i, (name, ranks, case, settings) in enumerate(pts, 1):
+        if only and name not in only:
+            continue
+        out_dir = os.path.join(sweep_dir, name)
+        if data_dir:
+            settings = dict(settings, **{"data-dir": data_dir})
+        if os.path.exists(os.path.join(out_dir, "summary.json")):
+            print(f"[{i}/{len(pts)}] {name}: done before, skipped", flush=True)
+            continue
+        print(f"[{i}/{len(pts)}] {name}: {ranks} ranks, {case}", flush=True)
+        t0 = time.time()
+        rc = run_trainer(settings, ranks, out_dir, trainer, echo=echo)
+        if rc != 0 or not os.path.exists(os.path.join(out_dir, "summary.json")):
+            print(f"[{i}/{len(pts)}] {name}: FAILED (exit {rc}); see {out_dir}/log.txt",
+                  flush=True)
+            failed.append(name)
+        else:
+            print(f"[{i}/{len(pts)}] {name}: finished in {time.time() - t0:.0f} s", flush=True)
+    merge(sweep_dir, pts)
+    return failed
+
+
+def merge(sweep_dir, pts):
+    """results.csv (every epoch of every finished point) and summary.csv (one row a point)."""
+    rows, summaries = [], []
+    for name, ranks, case, _ in pts:
+        run = read_run(os.path.join(sweep_dir, name))
+        if run["summary"] is None:
+            continue
+        for r in run["rows"]:
+            rows.append(dict({"point": name, "ranks": ranks, "case": case}, **r))
+        summaries.append(dict({"point": name, "ranks": ranks, "case": case}, **run["summary"]))
+    for file, data in (("results.csv", rows), ("summary.csv", summaries)):
+        if not data:
+            continue
+        fields = list(data[0].keys())
+        for d in data:
+            fields += [k for k in d if k not in fields]
+        with open(os.path.join(sweep_dir, file), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerows(data)
+
+
+def read_sweep(sweep_dir):
+    """The finished runs under a sweep (or any) folder, each with 'point', 'ranks', 'case'."""
+    runs = []
+    for name in sorted(os.listdir(sweep_dir)):
+        d = os.path.join(sweep_dir, name)
+        if not os.path.isdir(d):
+            continue
+        run = read_run(d)
+        if run["summary"] is None:
+            continue
+        s = run["summary"]
+        run["point"] = name
+        run["ranks"] = s.get("world_size")
+        run["case"] = s.get("label")
+        runs.append(run)
+    return runs
+
+
+# ---- tables and plots ----
+
+def table(runs):
+    head = (f"{'case':<24} {'ranks':>5} {'final acc':>9} {'best acc':>9} {'ms/step':>8} "
+            f"{'MB/step':>8} {'consensus':>10} {'data wait':>9}")
+    lines = [head, "-" * len(head)]
+    for r in runs:
+        s = r["summary"]
+        lines.append(f"{r['case']:<24} {r['ranks']:>5} {100 * s['final_test_acc']:>8.2f}% "
+                     f"{100 * s['best_test_acc']:>8.2f}% {s['step_ms']:>8.1f} "
+                     f"{s['bytes_sent_per_step'] / 1e6:>8.3f} "
+                     f"{s['final_consensus_distance']:>10.2e} "
+                     f"{100 * s['data_wait_frac']:>8.2f}%")
+    return "\n".join(lines)
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _label(run, runs):
+    several = len({r["ranks"] for r in runs}) > 1
+    models = {r["summary"].get("model") for r in runs}
+    label = run["case"]
+    if len(models) > 1:
+        label = f"{run['summary'].get('model')} {run['case']}"
+    if several:
+        label += f" (n={run['ranks']})"
+    if len([r for r in runs if r["case"] == run["case"] and r["ranks"] == run["ranks"]]) > 1:
+        label = run["point"]
+    return label
+
+
+def plot_accuracy(runs, path, title=""):
+    """Test accuracy of the averaged model vs epoch and vs training time, one line a run."""
+    plt = _pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in runs:
+        ep = [row["epoch"] for row in r["rows"]]
+        acc = [100 * row["test_acc"] for row in r["rows"]]
+        t = [row["train_time_s"] for row in r["rows"]]
+        a.plot(ep, acc, marker="o", label=_label(r, runs))
+        b.plot(t, acc, marker="o", label=_label(r, runs))
+    a.set_xlabel("epoch")
+    b.set_xlabel("training time (s)")
+    for ax in (a, b):
+        ax.set_ylabel("test accuracy of the averaged model (%)")
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_step_time(runs, path, title=""):
+    """Mean step time vs world size, one line a case."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 4.2))
+    cases = sorted({r["case"] for r in runs})
+    for c in cases:
+        by_n = {}
+        for r in runs:
+            if r["case"] == c:
+                by_n.setdefault(r["ranks"], []).append(r["summary"]["step_ms"])
+        ns = sorted(by_n)
+        ax.plot(ns, [sum(by_n[n]) / len(by_n[n]) for n in ns], marker="o", label=c)
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("time per step (ms)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_consensus(runs, path, title=""):
+    """Consensus distance at the end of each epoch vs step (log scale)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 4.2))
+    for r in runs:
+        spe = r["summary"]["steps_per_epoch"]
+        xs = [row["epoch"] * spe for row in r["rows"] if row["consensus_distance"] > 0]
+        ys = [row["consensus_distance"] for row in r["rows"] if row["consensus_distance"] > 0]
+        if xs:
+            ax.plot(xs, ys, marker="o", label=_label(r, runs))
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("consensus distance (mean of ||x_i - mean||^2)")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_all(runs, out_dir, title=""):
+    os.makedirs(out_dir, exist_ok=True)
+    return [plot_accuracy(runs, os.path.join(out_dir, "accuracy.png"), title),
+            plot_step_time(runs, os.path.join(out_dir, "step_time_vs_ranks.png"), title),
+            plot_consensus(runs, os.path.join(out_dir, "consensus.png"), title)]

@@ -1,0 +1,125 @@
+"""The resnet_cifar trainer under mpiexec -n 2 on a small slice of the real Fashion-MNIST data:
+every mode trains one epoch above chance and writes its JSON, CSV and summary; a JSON config
+is read and flags override it; bad settings and missing data end every rank with a message.
+
+  python tests/examples/test_trainer.py   (DECENT_DP_BUILD_DIR: the build folder)
+"""
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import decent_dp_runs as runs  # noqa: E402
+
+TRAINER = runs.find_trainer()
+FIELDS = ["epoch", "train_loss", "train_acc", "test_acc", "local_test_acc", "consensus_distance",
+          "lr", "images_per_s", "step_ms", "exchange_wait_ms", "data_wait_ms", "data_wait_frac",
+          "bytes_sent_per_rank", "bytes_received_per_rank", "train_time_s", "wall_time_s"]
+SMALL = ["--train-subset", "2048", "--test-subset", "1000", "--epochs", "1", "--progress",
+         "lines", "--threads", "1"]
+
+
+def trainer(args, ranks=2, timeout=240):
+    return subprocess.run(runs.mpirun_prefix(ranks) + [TRAINER] + args, capture_output=True,
+                          text=True, env=runs.mpirun_env(), timeout=timeout)
+
+
+class Trainer(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        if not os.path.exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"):
+            raise unittest.SkipTest("Debian's dataset-fashion-mnist is not installed "
+                                    "(scripts/bootstrap installs it)")
+        cls.tmp = tempfile.TemporaryDirectory()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def check_run(self, out, mode, expect_traffic):
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+        self.assertEqual(len(rows), 1)
+        row = rows[0]
+        for k in FIELDS:
+            self.assertIn(k, row, f"{mode}: metrics.jsonl lacks {k}")
+        with open(os.path.join(out, "metrics.csv")) as f:
+            table = list(csv.DictReader(f))
+        self.assertEqual(len(table), 1)
+        self.assertEqual(list(table[0].keys()), FIELDS)
+        self.assertAlmostEqual(float(table[0]["test_acc"]), row["test_acc"], places=5)
+        # Real data, 1024 images per rank, one epoch: well above chance (10%).
+        self.assertGreater(row["test_acc"], 0.4, f"{mode}: averaged model at chance")
+        self.assertGreater(row["local_test_acc"], 0.4, f"{mode}: local models at chance")
+        self.assertLess(row["train_loss"], 2.2)
+        self.assertEqual(row["bytes_sent_per_rank"] > 0, expect_traffic, mode)
+        self.assertGreater(row["step_ms"], 0)
+        with open(os.path.join(out, "summary.json")) as f:
+            summary = json.load(f)
+        self.assertEqual(summary["world_size"], 2)
+        self.assertEqual(summary["steps_per_epoch"], 1024 // 32)
+        return row
+
+    def test_every_mode(self):
+        for mode, extra, traffic in (("decentralized", ["--topology", "ring"], True),
+                                     ("allreduce", [], True),
+                                     ("local", [], False)):
+            with self.subTest(mode=mode):
+                out = os.path.join(self.tmp.name, mode)
+                r = trainer(SMALL + ["--mode", mode, "--output", out] + extra)
+                self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+                self.assertIn("final: test accuracy", r.stdout)
+                row = self.check_run(out, mode, traffic)
+                if mode == "allreduce":
+                    self.assertEqual(row["consensus_distance"], 0)
+                if mode == "local":
+                    self.assertGreater(row["consensus_distance"], 0)
+
+    def test_config_file_and_flags(self):
+        cfg = os.path.join(self.tmp.name, "run.json")
+        with open(cfg, "w") as f:
+            json.dump({"model": "mlp", "batch": 64, "optimizer": "sgd", "lr": 0.05,
+                       "train-subset": 1024, "test-subset": 500, "epochs": 1,
+                       "progress": "lines", "schedule": "step"}, f)
+        out = os.path.join(self.tmp.name, "config")
+        r = trainer(["--config", cfg, "--batch", "16", "--output", out])
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        with open(os.path.join(out, "config.json")) as f:
+            used = json.load(f)
+        self.assertEqual(used["model"], "mlp")        # from the file
+        self.assertEqual(used["optimizer"], "sgd")
+        self.assertEqual(used["batch"], 16)           # the flag wins
+        with open(os.path.join(out, "summary.json")) as f:
+            self.assertEqual(json.load(f)["steps_per_epoch"], 512 // 16)
+
+    def test_bad_settings(self):
+        cfg = os.path.join(self.tmp.name, "bad.json")
+        with open(cfg, "w") as f:
+            json.dump({"bogus": 1}, f)
+        r = trainer(["--config", cfg], ranks=1, timeout=60)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("unknown setting 'bogus'", r.stderr)
+        r = trainer(["--model", "resnet19"], ranks=1, timeout=60)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("--model", r.stdout + r.stderr)
+
+    def test_errors_end_every_rank(self):
+        # Missing data: every rank reports the file and the job ends (no hang).
+        r = trainer(["--dataset", "cifar10", "--data-dir", os.path.join(self.tmp.name, "none")],
+                    timeout=120)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("data_batch_1.bin: no such file", r.stderr)
+        # A topology the world size does not allow.
+        r = trainer(SMALL + ["--topology", "ring", "--output", os.path.join(self.tmp.name, "x")],
+                    ranks=3, timeout=120)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("ring topology needs an even world size, got 3", r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
