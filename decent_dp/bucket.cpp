@@ -3,6 +3,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
+#include <cmath>
 #include <map>
 #include <sstream>
 
@@ -130,6 +131,18 @@ std::string describe_bucket(size_t index, const BucketSpec& spec,
   }
   os << ")";
   return os.str();
+}
+
+void mix_group_mean(BucketStorage& storage, const std::vector<at::Tensor>& rebind,
+                    const topology::Group& group, double adaptive_factor) {
+  const double k = group.size();
+  const double mean_coef = k > 1 ? (1 - group.self_weight) * k / (k - 1) : 0.0;
+  const double coef = adaptive_factor * mean_coef;
+  if (std::abs(coef - 1.0) <= 1e-12) {
+    swap_param_and_comm_blocks(storage, rebind);
+  } else if (coef != 0.0) {
+    storage.params.lerp_(storage.comm, coef);
+  }
 }
 
 }  // namespace decent_dp

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "topology/topology.h"
+
 namespace decent_dp {
 
 constexpr int64_t kBucketAlignment = 32;  // elements
@@ -83,6 +85,15 @@ BucketStorage make_bucket_storage(const BucketSpec& spec, const std::vector<at::
 // communication block's contents: no element is copied. Tensors that share a TensorImpl with
 // `rebind` (the module's parameters, an optimizer's references) follow; gradients stay.
 void swap_param_and_comm_blocks(BucketStorage& storage, const std::vector<at::Tensor>& rebind);
+
+// Applies a finished gossip exchange (spec §2): the communication block holds the mean A of
+// the k members of `group`, the parameter block this rank's x. With self weight w,
+// mix(x) = w x + (1-w)/(k-1) (k A - x), and x <- (1-a) x + a mix(x), which is one pass
+// x <- x + a (1-w) k/(k-1) (A - x). When that coefficient is 1 (a = 1 and w = 1/k: every
+// built-in topology) the blocks trade roles instead (Note [block swap]; `rebind` as for
+// swap_param_and_comm_blocks). Shared by both gossip APIs, so they train identically.
+void mix_group_mean(BucketStorage& storage, const std::vector<at::Tensor>& rebind,
+                    const topology::Group& group, double adaptive_factor);
 
 // Summary for logs: "bucket 0: 3 params, 1.25 MiB (fc2.weight fc2.bias fc1.bias)".
 std::string describe_bucket(size_t index, const BucketSpec& spec,

@@ -498,20 +498,7 @@ void DataParallelCore::process_bucket(size_t b) {
     if (auto* hook = dynamic_cast<PreMixingHook*>(bucket.optimizer.get())) {
       hook->pre_mix(g, g.self_weight, bucket.storage.comm);
     }
-    // The exchange returned the group mean A; with k members and self weight w,
-    // mix(x)_i = w x_i + (1-w)/(k-1) (k A - x_i), and x <- (1-a) x + a mix(x).
-    const double k = g.size();
-    const double a = adaptive_factor_;
-    const double mean_coef = k > 1 ? (1 - g.self_weight) * k / (k - 1) : 0.0;
-    // The coefficients of x and A sum to one, so the mixing is one pass:
-    // x <- x + a mean_coef (A - x). With a = 1 and uniform weights (w = 1/k, every built-in
-    // topology) that is x <- A: the two blocks trade roles instead (Note [block swap]).
-    const double coef = a * mean_coef;
-    if (std::abs(coef - 1.0) <= 1e-12) {
-      swap_param_and_comm_blocks(bucket.storage, bucket.optimizer_params);
-    } else if (coef != 0.0) {
-      bucket.storage.params.lerp_(bucket.storage.comm, coef);
-    }
+    mix_group_mean(bucket.storage, bucket.optimizer_params, g, adaptive_factor_);
     bucket.work.reset();
   }
   step_bucket(bucket);

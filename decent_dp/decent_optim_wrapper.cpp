@@ -115,15 +115,16 @@ at::Tensor DecentOptimWrapper::step(LossClosure closure) {
   for (auto& b : buckets_) {
     if (b.work) {
       b.work->wait();
-      // The group mean of the previous step becomes the parameters (Note [block swap]).
-      swap_param_and_comm_blocks(b.storage, b.params);
+      mix_group_mean(b.storage, b.params, *b.group, /*adaptive_factor=*/1.0);
       b.work.reset();
     }
   }
   inner_->step();
   if (comm_->size() > 1) {
-    const auto& group = topology_->group_of(comm_->rank(), steps_);
+    // Exchange u after update u, on slot u mod P (spec §2, §10).
+    const auto& group = topology_->group_of(comm_->rank(), steps_ + 1);
     for (auto& b : buckets_) {
+      b.group = &group;
       b.work = comm_->allreduce(b.storage.params, b.storage.comm, group.ranks, ReduceOp::kAvg);
     }
   }

@@ -7,9 +7,10 @@
 //   0.1);  // or attached to *inner for (...) { opt.zero_grad(); loss(...).backward(); opt.step();
 //   }
 //
-// step(): waits for the exchange launched by the previous step() and replaces the parameters
-// with its group mean; runs the inner optimizer's step; launches the next exchange, on the
-// topology's group for this step (step count mod period); counts.
+// step(): waits for the exchange launched by the previous step() and mixes it in as
+// DecentralizedDataParallel does (spec §2: the slot's self weight honoured; with uniform
+// weights the parameters become the group mean); runs the inner optimizer's step; counts
+// (this was update u); launches exchange u on the topology's group of slot u mod P.
 #pragma once
 
 #include <torch/optim/optimizer.h>
@@ -55,6 +56,7 @@ class DecentOptimWrapper : public torch::optim::Optimizer {
     BucketStorage storage;
     std::vector<at::Tensor> params;  // the inner optimizer's parameters in this bucket
     std::shared_ptr<Work> work;
+    const topology::Group* group = nullptr;  // of the exchange in flight
   };
   void sync_learning_rates();
 

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "decent_dp/decent_optim_wrapper.h"
+#include "decent_dp/decentralized_data_parallel.h"
 #include "mpi_test_util.h"
 
 using namespace decent_dp;
@@ -34,6 +35,30 @@ bool power_of_two(int n) {
   return n > 0 && (n & (n - 1)) == 0;
 }
 
+// A registered topology of period 2 whose weights are not uniform: slot 0 pairs (2i, 2i+1)
+// with self weight 0.7 (a last rank alone when n is odd), slot 1 the whole world with self
+// weight 0.4.
+const std::string& weighted_topology() {
+  static const std::string name = [] {
+    topology::register_topology("test-weighted-pairs", topology::SlotsFn([](int n, int) {
+                                  std::vector<topology::Slot> slots(2);
+                                  for (int r = 0; r < n; r += 2) {
+                                    if (r + 1 < n)
+                                      slots[0].push_back({{r, r + 1}, 0.7});
+                                    else
+                                      slots[0].push_back({{r}, 1.0});
+                                  }
+                                  std::vector<int> all(n);
+                                  for (int r = 0; r < n; ++r)
+                                    all[r] = r;
+                                  slots[1].push_back({all, n > 1 ? 0.4 : 1.0});
+                                  return slots;
+                                }));
+    return std::string("test-weighted-pairs");
+  }();
+  return name;
+}
+
 double relative_error(const at::Tensor& a, const at::Tensor& b) {
   const double ref = b.norm().item<double>();
   return ref == 0 ? (a - b).norm().item<double>() : (a - b).norm().item<double>() / ref;
@@ -44,7 +69,7 @@ double relative_error(const at::Tensor& a, const at::Tensor& b) {
 TEST_CASE("the optimizer wrapper follows the recursion of spec section 10", "[wrapper]") {
   const int n = comm().size();
   const int rank = comm().rank();
-  std::vector<std::string> topologies = {"complete"};
+  std::vector<std::string> topologies = {"complete", weighted_topology()};
   if (n % 2 == 0 || n == 1)
     topologies.push_back("ring");
   if (power_of_two(n))
@@ -68,9 +93,10 @@ TEST_CASE("the optimizer wrapper follows the recursion of spec section 10", "[wr
         loss_on(net, rank, step).backward();
         opt.step();
       }
-      // The recursion, all replicas in one process: at step t, replace x by the group mean
-      // (slot t-1) of the values sent after step t-1, take the inner step with the gradient
-      // computed before the replacement, send the result on slot t.
+      // The recursion, all replicas in one process (0-based step t is update u = t + 1):
+      // before update u > 1, mix exchange u-1, which ran on slot (u-1) mod P over the values
+      // sent after update u-1, x_i <- w x_i + (1-w)/(k-1) sum_{j != i} x_j; take the inner step
+      // with the gradient computed before the mixing; send the result.
       auto topo = topology::make_topology(name, n, 1);
       std::vector<torch::nn::Sequential> nets;
       std::vector<std::shared_ptr<torch::optim::Optimizer>> opts;
@@ -85,16 +111,17 @@ TEST_CASE("the optimizer wrapper follows the recursion of spec section 10", "[wr
           loss_on(nets[r], r, step).backward();
         }
         torch::NoGradGuard no_grad;
-        for (int r = 0; r < n; ++r) {
-          if (step > 0) {
-            const auto& group = topo->group_of(r, step - 1);
-            auto params = nets[r]->parameters();
-            for (size_t k = 0; k < params.size(); ++k) {
-              at::Tensor mean = torch::zeros_like(params[k]);
-              for (int j : group.ranks)
-                mean += sent[j][k];
-              params[k].copy_(mean / static_cast<double>(group.size()));
-            }
+        for (int r = 0; r < n && step > 0; ++r) {
+          const auto& group = topo->group_of(r, step);  // slot of exchange u-1 = step
+          const double w = group.self_weight;
+          const double k = group.size();
+          auto params = nets[r]->parameters();
+          for (size_t p = 0; p < params.size(); ++p) {
+            at::Tensor mixed = sent[r][p] * w;
+            for (int j : group.ranks)
+              if (j != r)
+                mixed += sent[j][p] * ((1 - w) / (k - 1));
+            params[p].copy_(mixed);
           }
         }
         for (int r = 0; r < n; ++r) {
@@ -111,6 +138,58 @@ TEST_CASE("the optimizer wrapper follows the recursion of spec section 10", "[wr
       }
       CHECK(opt.step_count() == 20);
       CHECK(opt.bucket_count() > 1);  // 1e-4 MiB cap: several buckets
+    }
+  }
+}
+
+TEST_CASE("both gossip APIs train identically", "[wrapper]") {
+  // The same model, data and plain SGD through DecentralizedDataParallel and through
+  // DecentOptimWrapper: one slot rule (exchange u on slot u mod P) and one mixing rule (the
+  // slot's self weight), so the parameters agree up to float rounding.
+  const int n = comm().size();
+  const int rank = comm().rank();
+  std::vector<std::string> topologies = {weighted_topology(), "complete"};
+  if (power_of_two(n))
+    topologies.push_back("exp");
+  for (const auto& name : topologies) {
+    INFO("rank " << rank << " topology " << name);
+    auto a = make_net();
+    DataParallelOptions options;
+    options.topology = name;
+    options.local_world_size = 1;
+    options.bucket_cap_mb = 1e-4;
+    OptimFn sgd = [](const NamedParams& named) -> std::unique_ptr<torch::optim::Optimizer> {
+      std::vector<at::Tensor> params;
+      for (const auto& [n, p] : named)
+        params.push_back(p);
+      return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05));
+    };
+    DecentralizedDataParallel<torch::nn::Sequential> model(a, options, sgd, nullptr, shared_comm());
+    auto b = make_net();
+    DecentOptimWrapper opt(
+        std::make_shared<torch::optim::SGD>(b->parameters(), torch::optim::SGDOptions(0.05)), rank,
+        n, 1, name, 1e-4, shared_comm());
+    for (int step = 0; step < 12; ++step) {
+      {
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(500 * rank + step + 7);
+        auto x = at::randn({5, 6}, gen);
+        auto y = at::randn({5, 3}, gen);
+        torch::mse_loss(model.forward(x), y).backward();
+      }
+      opt.zero_grad();
+      loss_on(b, rank, step).backward();
+      opt.step();
+    }
+    CHECK(model.updates() == 12);
+    CHECK(opt.step_count() == 12);
+    // Both have exchange 12 in flight; compare the parameters after update 12.
+    model.synchronize();
+    auto pa = a->parameters();
+    auto pb = b->parameters();
+    REQUIRE(pa.size() == pb.size());
+    for (size_t k = 0; k < pa.size(); ++k) {
+      INFO("parameter " << k);
+      CHECK(relative_error(pa[k], pb[k]) <= 1e-5);
     }
   }
 }
