@@ -110,6 +110,12 @@ def read_run(run_dir):
     if os.path.exists(path):
         with open(path) as f:
             out["rows"] = [json.loads(line) for line in f if line.strip()]
+    path = os.path.join(run_dir, "consensus.csv")
+    out["consensus"] = []
+    if os.path.exists(path):
+        with open(path) as f:
+            out["consensus"] = [(int(r["step"]), float(r["consensus_distance"]))
+                                for r in csv.DictReader(f)]
     path = os.path.join(run_dir, "summary.json")
     if os.path.exists(path):
         with open(path) as f:
@@ -238,12 +244,12 @@ def read_sweep(sweep_dir):
 # ---- tables and plots ----
 
 def table(runs):
-    head = (f"{'case':<24} {'ranks':>5} {'final acc':>9} {'best acc':>9} {'ms/step':>8} "
+    head = (f"{'run':<24} {'ranks':>5} {'final acc':>9} {'best acc':>9} {'ms/step':>8} "
             f"{'MB/step':>8} {'consensus':>10} {'data wait':>9}")
     lines = [head, "-" * len(head)]
     for r in runs:
         s = r["summary"]
-        lines.append(f"{r['case']:<24} {r['ranks']:>5} {100 * s['final_test_acc']:>8.2f}% "
+        lines.append(f"{r['point']:<24} {r['ranks']:>5} {100 * s['final_test_acc']:>8.2f}% "
                      f"{100 * s['best_test_acc']:>8.2f}% {s['step_ms']:>8.1f} "
                      f"{s['bytes_sent_per_step'] / 1e6:>8.3f} "
                      f"{s['final_consensus_distance']:>10.2e} "
@@ -271,22 +277,47 @@ def _label(run, runs):
     return label
 
 
-def plot_accuracy(runs, path, title=""):
-    """Test accuracy of the averaged model vs epoch and vs training time, one line a run."""
-    plt = _pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+_CASE_KEYS = {"mode", "topology", "lws", "output", "label", "data-dir", "progress", "log-every"}
+
+
+def groups_of(runs):
+    """Runs grouped by every setting that varies across them except the case (mode and
+    topology): [(title, [runs])]. One group when only the case varies."""
+    keys = set()
     for r in runs:
-        ep = [row["epoch"] for row in r["rows"]]
-        acc = [100 * row["test_acc"] for row in r["rows"]]
-        t = [row["train_time_s"] for row in r["rows"]]
-        a.plot(ep, acc, marker="o", label=_label(r, runs))
-        b.plot(t, acc, marker="o", label=_label(r, runs))
-    a.set_xlabel("epoch")
-    b.set_xlabel("training time (s)")
-    for ax in (a, b):
-        ax.set_ylabel("test accuracy of the averaged model (%)")
-        ax.grid(alpha=0.3)
-    a.legend(fontsize=8)
+        keys |= set(r["config"]) - _CASE_KEYS
+    varying = sorted(k for k in keys if len({json.dumps(r["config"].get(k)) for r in runs}) > 1)
+    out = {}
+    for r in runs:
+        key = tuple((k, r["config"].get(k)) for k in varying)
+        out.setdefault(key, []).append(r)
+    return [(", ".join(f"{'n' if k == 'world_size' else k}={v}" for k, v in key), rs)
+            for key, rs in sorted(out.items(), key=lambda kv: json.dumps(kv[0]))]
+
+
+def plot_accuracy(runs, path, title=""):
+    """Test accuracy of the averaged model vs epoch and vs training time: one row of two
+    panels per group of runs (groups_of), one line per case."""
+    plt = _pyplot()
+    groups = groups_of(runs)
+    fig, axes = plt.subplots(len(groups), 2, figsize=(11, 3.6 * len(groups) + 0.6),
+                             squeeze=False)
+    for (name, rs), (a, b) in zip(groups, axes):
+        for r in rs:
+            ep = [row["epoch"] for row in r["rows"]]
+            acc = [100 * row["test_acc"] for row in r["rows"]]
+            t = [row["train_time_s"] for row in r["rows"]]
+            label = r["case"] if len(groups) > 1 else _label(r, runs)
+            a.plot(ep, acc, marker="o", label=label)
+            b.plot(t, acc, marker="o", label=label)
+        a.set_xlabel("epoch")
+        b.set_xlabel("training time (s)")
+        for ax in (a, b):
+            ax.set_ylabel("test accuracy, averaged model (%)")
+            ax.grid(alpha=0.3)
+            if name:
+                ax.set_title(name, fontsize=10)
+        a.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -305,6 +336,7 @@ def plot_step_time(runs, path, title=""):
             if r["case"] == c:
                 by_n.setdefault(r["ranks"], []).append(r["summary"]["step_ms"])
         ns = sorted(by_n)
+        # Mean over the runs of a case at one world size (seeds, optimizers, ...).
         ax.plot(ns, [sum(by_n[n]) / len(by_n[n]) for n in ns], marker="o", label=c)
     ax.set_xlabel("ranks")
     ax.set_ylabel("time per step (ms)")
@@ -318,22 +350,34 @@ def plot_step_time(runs, path, title=""):
 
 
 def plot_consensus(runs, path, title=""):
-    """Consensus distance at the end of each epoch vs step (log scale)."""
+    """Consensus distance vs step (log scale), one panel per group of runs, one line per
+    case; from consensus.csv (every --consensus-every steps and at each epoch's end)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 4.2))
-    for r in runs:
-        spe = r["summary"]["steps_per_epoch"]
-        xs = [row["epoch"] * spe for row in r["rows"] if row["consensus_distance"] > 0]
-        ys = [row["consensus_distance"] for row in r["rows"] if row["consensus_distance"] > 0]
-        if xs:
-            ax.plot(xs, ys, marker="o", label=_label(r, runs))
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("consensus distance (mean of ||x_i - mean||^2)")
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize=8)
-    ax.set_title(title)
+    groups = groups_of(runs)
+    cols = min(2, len(groups))
+    rows = (len(groups) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.8 * rows + 0.6), squeeze=False)
+    for (name, rs), ax in zip(groups, axes.flat):
+        for r in rs:
+            points = r.get("consensus") or [
+                (row["epoch"] * r["summary"]["steps_per_epoch"], row["consensus_distance"])
+                for row in r["rows"]]
+            points = [(x, y) for x, y in points if y > 0]
+            if points:
+                ax.plot([x for x, _ in points], [y for _, y in points],
+                        marker="o" if len(points) < 30 else None, markersize=3,
+                        label=r["case"] if len(groups) > 1 else _label(r, runs))
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("consensus distance")
+        ax.grid(alpha=0.3)
+        if name:
+            ax.set_title(name, fontsize=10)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.set_visible(False)
+    fig.suptitle((title + ": " if title else "") + "mean over ranks of ||x_i - mean||^2")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -74,6 +74,7 @@ struct Config {
   std::string output;
   std::string progress = "auto";  // auto | bar | lines
   int log_every = 0;              // plain progress lines every this many steps (0: ten per epoch)
+  int consensus_every = 0;        // also measure the consensus distance every this many steps
   int64_t eval_batch = 500;
 };
 
@@ -132,6 +133,10 @@ void bind(CLI::App& app, Config& c, std::string& config_path) {
       ->check(CLI::IsMember({"auto", "bar", "lines"}));
   app.add_option("--log-every", c.log_every, "plain progress line every N steps (0: 10 per epoch)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--consensus-every", c.consensus_every,
+                 "also record the consensus distance every N steps in consensus.csv (0: only "
+                 "at the end of each epoch)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--eval-batch", c.eval_batch, "evaluation batch")->check(CLI::PositiveNumber);
 }
 
@@ -166,6 +171,7 @@ nlohmann::json to_json(const Config& c) {
           {"output", c.output},
           {"progress", c.progress},
           {"log-every", c.log_every},
+          {"consensus-every", c.consensus_every},
           {"eval-batch", c.eval_batch}};
 }
 
@@ -527,12 +533,14 @@ int run(const Config& cfg) {
   config_json["output"] = out_dir;
   config_json["world_size"] = world;
   config_json["label"] = label;
-  std::ofstream jsonl, csv;
+  std::ofstream jsonl, csv, consensus_csv;
   if (rank == 0) {
     make_dirs(out_dir);
     std::ofstream(out_dir + "/config.json") << config_json.dump(2) << "\n";
     jsonl.open(out_dir + "/metrics.jsonl", std::ios::trunc);
     csv.open(out_dir + "/metrics.csv", std::ios::trunc);
+    consensus_csv.open(out_dir + "/consensus.csv", std::ios::trunc);
+    consensus_csv << "step,consensus_distance\n";
     if (!jsonl || !csv)
       throw std::invalid_argument("--output: cannot write to " + out_dir);
     csv << "epoch,train_loss,train_acc,test_acc,local_test_acc,consensus_distance,lr,"
@@ -576,6 +584,12 @@ int run(const Config& cfg) {
       loss.backward();
       runner->after_backward();
       ++step;
+      const int64_t global_step = (epoch - 1) * steps_per_epoch + step;
+      if (cfg.consensus_every > 0 && global_step % cfg.consensus_every == 0) {
+        const double d = runner->consensus_distance();  // collective: every rank is here
+        if (rank == 0)
+          consensus_csv << global_step << "," << fmt::format("{:.6e}", d) << "\n" << std::flush;
+      }
       const double l = loss.item<double>();
       loss_sum += l * batch.y.size(0);
       correct += out.argmax(1).eq(batch.y).sum().item<double>();
@@ -607,6 +621,9 @@ int run(const Config& cfg) {
     // ---- evaluation ----
     auto [local_c, local_n] = evaluate(*runner, test, test_tf, rank, world, cfg.eval_batch);
     const double consensus = runner->consensus_distance();
+    const int64_t end_step = epoch * steps_per_epoch;
+    if (rank == 0 && !(cfg.consensus_every > 0 && end_step % cfg.consensus_every == 0))
+      consensus_csv << end_step << "," << fmt::format("{:.6e}", consensus) << "\n" << std::flush;
     runner->begin_average();
     auto [avg_c, avg_n] = evaluate(*runner, test, test_tf, rank, world, cfg.eval_batch);
     runner->end_average();

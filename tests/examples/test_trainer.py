@@ -66,8 +66,9 @@ class Trainer(unittest.TestCase):
         return row
 
     def test_every_mode(self):
-        for mode, extra, traffic in (("decentralized", ["--topology", "ring"], True),
-                                     ("allreduce", [], True),
+        for mode, extra, traffic in (("decentralized",
+                                      ["--topology", "ring", "--consensus-every", "8"], True),
+                                     ("allreduce", ["--noniid-alpha", "0.5"], True),
                                      ("local", [], False)):
             with self.subTest(mode=mode):
                 out = os.path.join(self.tmp.name, mode)
@@ -79,6 +80,11 @@ class Trainer(unittest.TestCase):
                     self.assertEqual(row["consensus_distance"], 0)
                 if mode == "local":
                     self.assertGreater(row["consensus_distance"], 0)
+                with open(os.path.join(out, "consensus.csv")) as f:
+                    steps = [int(r["step"]) for r in csv.DictReader(f)]
+                # Every 8 steps when asked (the epoch's last step is one of them), else only at
+                # the end of the epoch.
+                self.assertEqual(steps, [8, 16, 24, 32] if mode == "decentralized" else [32])
 
     def test_config_file_and_flags(self):
         cfg = os.path.join(self.tmp.name, "run.json")
