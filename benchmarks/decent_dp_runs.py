@@ -264,6 +264,14 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path):
+    plt = _pyplot()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _label(run, runs):
     several = len({r["ranks"] for r in runs}) > 1
     models = {r["summary"].get("model") for r in runs}
@@ -319,10 +327,7 @@ def plot_accuracy(runs, path, title=""):
                 ax.set_title(name, fontsize=10)
         a.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_step_time(runs, path, title=""):
@@ -343,10 +348,7 @@ def plot_step_time(runs, path, title=""):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_consensus(runs, path, title=""):
@@ -378,10 +380,7 @@ def plot_consensus(runs, path, title=""):
     for ax in list(axes.flat)[len(groups):]:
         ax.set_visible(False)
     fig.suptitle((title + ": " if title else "") + "mean over ranks of ||x_i - mean||^2")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_all(runs, out_dir, title=""):

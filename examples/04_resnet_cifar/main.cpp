@@ -228,22 +228,22 @@ decent_dp::optim::OptimFn make_optimizer(const Config& c) {
     s.weight_decay = c.weight_decay >= 0 ? c.weight_decay : 5e-4;
     return o::sgd(s);
   }
-  if (c.optimizer == "adamw") {
-    o::AdamWFactoryOptions a;
+  // The settings AdamW and AccumAdamW share.
+  auto adam_settings = [&c](auto& a) {
     a.lr = c.lr;
     a.beta1 = c.beta1;
     a.beta2 = c.beta2;
     if (c.weight_decay >= 0)
       a.weight_decay = c.weight_decay;
+  };
+  if (c.optimizer == "adamw") {
+    o::AdamWFactoryOptions a;
+    adam_settings(a);
     return o::adamw(a);
   }
   o::AccumAdamWFactoryOptions a;
-  a.lr = c.lr;
-  a.beta1 = c.beta1;
-  a.beta2 = c.beta2;
+  adam_settings(a);
   a.accum_iter = c.accum_iter;
-  if (c.weight_decay >= 0)
-    a.weight_decay = c.weight_decay;
   return o::accum_adamw(a);
 }
 
