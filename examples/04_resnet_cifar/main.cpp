@@ -586,7 +586,16 @@ int run(const Config& cfg) {
       ++step;
       const int64_t global_step = (epoch - 1) * steps_per_epoch + step;
       if (cfg.consensus_every > 0 && global_step % cfg.consensus_every == 0) {
-        const double d = runner->consensus_distance();  // collective: every rank is here
+        // Collective: every rank is here. Its traffic is not the training's and is left out:
+        // the exchange in flight is finished first so that only the measurement's own
+        // all-reduces fall between the two readings (the parameters are not changed).
+        runner->synchronize();
+        const auto before = mpi ? mpi->stats() : decent_dp::MpiStats{};
+        const double d = runner->consensus_distance();
+        if (mpi) {
+          sent0 += mpi->stats().allreduce_bytes_sent - before.allreduce_bytes_sent;
+          received0 += mpi->stats().allreduce_bytes_received - before.allreduce_bytes_received;
+        }
         if (rank == 0)
           consensus_csv << global_step << "," << fmt::format("{:.6e}", d) << "\n" << std::flush;
       }
