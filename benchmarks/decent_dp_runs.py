@@ -72,7 +72,7 @@ def case_settings(case):
     return {"mode": "decentralized", "topology": case}
 
 
-def run_trainer(settings, ranks, out_dir, trainer, echo=True, timeout=None):
+def run_trainer(settings, ranks, out_dir, trainer, echo=True):
     """Runs the trainer with `settings` (flag name -> value) on `ranks` ranks into `out_dir`.
     Returns the exit code; the output goes to out_dir/log.txt (and to stdout with `echo`)."""
     os.makedirs(out_dir, exist_ok=True)
@@ -86,16 +86,12 @@ def run_trainer(settings, ranks, out_dir, trainer, echo=True, timeout=None):
         log.flush()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=mpirun_env(), text=True)
-        start = time.time()
         for line in proc.stdout:
             log.write(line)
             log.flush()
             if echo:
                 sys.stdout.write("  " + line)
                 sys.stdout.flush()
-            if timeout is not None and time.time() - start > timeout:
-                proc.kill()
-                break
         return proc.wait()
 
 

@@ -132,10 +132,9 @@ int main(int argc, char** argv) {
     return decent_dp::examples::make_model(model_name, channels, 10, image_size);
   };
   auto gen = at::make_generator<at::CPUGeneratorImpl>(rank + 1);
-  const auto x = model_name == "mlp"
-                     ? at::randn({batch, 1024}, gen)
-                     : (common ? at::randn({batch, channels, image_size, image_size}, gen)
-                               : at::randn({batch, 3, 32, 32}, gen));
+  const int64_t c = common ? channels : 3, side = common ? image_size : 32;  // conv: 3x32x32
+  const auto x =
+      model_name == "mlp" ? at::randn({batch, 1024}, gen) : at::randn({batch, c, side, side}, gen);
   const auto y = at::randint(0, 10, {batch}, gen);
   auto optim_fn = decent_dp::optim::adamw();
   {

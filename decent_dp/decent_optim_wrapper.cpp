@@ -112,10 +112,12 @@ at::Tensor DecentOptimWrapper::step(LossClosure closure) {
                       "run exactly once per step); call backward() yourself, then step()");
   torch::NoGradGuard no_grad;
   sync_learning_rates();
+  // Exchanges in flight were launched after update steps_, on that update's slot.
+  const auto& previous = topology_->group_of(comm_->rank(), steps_);
   for (auto& b : buckets_) {
     if (b.work) {
       b.work->wait();
-      mix_group_mean(b.storage, b.params, *b.group, /*adaptive_factor=*/1.0);
+      mix_group_mean(b.storage, b.params, previous, /*adaptive_factor=*/1.0);
       b.work.reset();
     }
   }
@@ -124,7 +126,6 @@ at::Tensor DecentOptimWrapper::step(LossClosure closure) {
     // Exchange u after update u, on slot u mod P (spec §2, §10).
     const auto& group = topology_->group_of(comm_->rank(), steps_ + 1);
     for (auto& b : buckets_) {
-      b.group = &group;
       b.work = comm_->allreduce(b.storage.params, b.storage.comm, group.ranks, ReduceOp::kAvg);
     }
   }

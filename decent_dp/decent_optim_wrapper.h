@@ -56,7 +56,6 @@ class DecentOptimWrapper : public torch::optim::Optimizer {
     BucketStorage storage;
     std::vector<at::Tensor> params;  // the inner optimizer's parameters in this bucket
     std::shared_ptr<Work> work;
-    const topology::Group* group = nullptr;  // of the exchange in flight
   };
   void sync_learning_rates();
 

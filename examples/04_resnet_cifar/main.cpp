@@ -27,7 +27,6 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
-#include <optional>
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -262,19 +261,21 @@ decent_dp::optim::LrSchedulerFn make_schedule(const Config& c, int64_t steps_per
   return decent_dp::optim::constant_lr();
 }
 
-// Replaces a module's parameters and floating-point buffers with their mean over all ranks
-// and puts the rank's own values back afterwards.
+// Replaces a module's floating-point buffers, and its parameters unless they are known to be
+// equal on every rank, with their mean over all ranks, and puts the rank's own values back
+// afterwards.
 class StateAverager {
  public:
-  StateAverager(Model m, std::shared_ptr<decent_dp::Communicator> comm)
-      : m_(std::move(m)), comm_(std::move(comm)) {
+  StateAverager(Model m, std::shared_ptr<decent_dp::Communicator> comm, bool parameters)
+      : m_(std::move(m)), comm_(std::move(comm)), parameters_(parameters) {
     for (int r = 0; r < comm_->size(); ++r)
       all_.push_back(r);
   }
   std::vector<torch::Tensor> state() const {
     std::vector<torch::Tensor> out;
     for (const auto& p : m_->parameters())
-      out.push_back(p.detach());
+      if (parameters_)
+        out.push_back(p.detach());
     for (const auto& b : m_->buffers())
       out.push_back(b);
     return out;
@@ -313,6 +314,7 @@ class StateAverager {
  private:
   Model m_;
   std::shared_ptr<decent_dp::Communicator> comm_;
+  bool parameters_;
   std::vector<int> all_;
   std::vector<torch::Tensor> backup_;
 };
@@ -357,12 +359,12 @@ class AllReduceRunner final : public Runner {
  public:
   AllReduceRunner(Model m, const decent_dp::DataParallelOptions& o, decent_dp::OptimFn f,
                   decent_dp::LrSchedulerFn s, std::shared_ptr<decent_dp::Communicator> comm)
-      : w_(m, o, std::move(f), std::move(s), comm), avg_(m, comm) {}
+      : w_(m, o, std::move(f), std::move(s), comm), avg_(m, comm, /*parameters=*/false) {}
   torch::Tensor forward(const torch::Tensor& x) override { return w_.forward(x); }
   void train(bool on) override { w_.train(on); }
   double lr() override { return w_.get_lr(); }
-  // Every rank holds the same parameters, but batch-norm statistics are each rank's own: they
-  // are averaged for evaluation, as the gossip wrapper's global_avg does.
+  // Every rank holds the same parameters, but batch-norm statistics are each rank's own: only
+  // they are averaged for evaluation, as the gossip wrapper's global_avg does.
   void begin_average() override {
     w_.synchronize();
     avg_.average();
@@ -382,7 +384,7 @@ class LocalRunner final : public Runner {
  public:
   LocalRunner(Model m, decent_dp::OptimFn f, decent_dp::LrSchedulerFn s,
               std::shared_ptr<decent_dp::Communicator> comm)
-      : m_(m), avg_(m, std::move(comm)) {
+      : m_(m), avg_(m, std::move(comm), /*parameters=*/true) {
     decent_dp::NamedParams named;
     for (const auto& p : m_->named_parameters())
       named.emplace_back(p.key(), p.value());

@@ -5,7 +5,6 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/randperm.h>
@@ -36,6 +35,12 @@ std::string join(const std::string& dir, const std::string& file) {
   if (dir.empty())
     return file;
   return dir.back() == '/' ? dir + file : dir + "/" + file;
+}
+
+std::string hex(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "0x%08x", v);
+  return buf;
 }
 
 // A file read through zlib, which reads uncompressed files as they are.
@@ -74,21 +79,17 @@ class ZFile {
     read(b, 4, what);
     return (uint32_t{b[0]} << 24) | (uint32_t{b[1]} << 16) | (uint32_t{b[2]} << 8) | b[3];
   }
-  bool at_end() {
-    char c;
-    return gzread(f_, &c, 1) == 0;
+  void expect_magic(uint32_t expected, const std::string& what) {
+    const uint32_t magic = read_be32("the magic number");
+    if (magic != expected)
+      throw DataError(path_ + ": wrong magic number " + hex(magic) + ", expected " + hex(expected) +
+                      " (" + what + ")");
   }
 
  private:
   std::string path_;
   gzFile f_ = nullptr;
 };
-
-std::string hex(uint32_t v) {
-  char buf[16];
-  std::snprintf(buf, sizeof(buf), "0x%08x", v);
-  return buf;
-}
 
 void check_labels(const at::Tensor& labels, int64_t num_classes, const std::string& path) {
   if (labels.numel() == 0)
@@ -180,10 +181,7 @@ std::string default_data_dir(const std::string& name) {
 Dataset read_idx(const std::string& images_path, const std::string& labels_path,
                  int64_t num_classes, const std::string& name) {
   ZFile img(images_path);
-  const uint32_t magic = img.read_be32("the magic number");
-  if (magic != 0x803)
-    throw DataError(images_path + ": wrong magic number " + hex(magic) +
-                    ", expected 0x00000803 (IDX file of unsigned bytes in 3 dimensions)");
+  img.expect_magic(0x803, "IDX file of unsigned bytes in 3 dimensions");
   const int64_t n = img.read_be32("the image count");
   const int64_t rows = img.read_be32("the row count");
   const int64_t cols = img.read_be32("the column count");
@@ -195,10 +193,7 @@ Dataset read_idx(const std::string& images_path, const std::string& labels_path,
            std::to_string(n) + " images of " + std::to_string(rows) + " x " + std::to_string(cols));
 
   ZFile lab(labels_path);
-  const uint32_t lmagic = lab.read_be32("the magic number");
-  if (lmagic != 0x801)
-    throw DataError(labels_path + ": wrong magic number " + hex(lmagic) +
-                    ", expected 0x00000801 (IDX file of unsigned bytes in 1 dimension)");
+  lab.expect_magic(0x801, "IDX file of unsigned bytes in 1 dimension");
   const int64_t m = lab.read_be32("the label count");
   if (m != n)
     throw DataError(labels_path + ": holds " + std::to_string(m) + " labels, expected " +

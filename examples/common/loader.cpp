@@ -3,7 +3,6 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 #include <ATen/ops/constant_pad_nd.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/randint.h>
