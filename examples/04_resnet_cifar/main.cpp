@@ -77,6 +77,28 @@ struct Config {
   int64_t eval_batch = 500;
 };
 
+// "must be > 0" / ">= 0" checks whose messages name the bound and the value.
+CLI::Validator at_least(double lo, bool strict) {
+  const std::string bound = (strict ? "> " : ">= ") + fmt::format("{}", lo);
+  return CLI::Validator(
+      [=](std::string& value) -> std::string {
+        double v = 0;
+        try {
+          size_t used = 0;
+          v = std::stod(value, &used);
+          if (used != value.size())
+            throw std::invalid_argument(value);
+        } catch (const std::exception&) {
+          return "expected a number " + bound + ", got '" + value + "'";
+        }
+        return (strict ? v > lo : v >= lo) ? std::string()
+                                           : "expected a value " + bound + ", got " + value;
+      },
+      "", strict ? "POSITIVE" : "NON-NEGATIVE");
+}
+const CLI::Validator kPositive = at_least(0, true);
+const CLI::Validator kNonNegative = at_least(0, false);
+
 // The flags, registered once: `bind` adds every option to `app`.
 void bind(CLI::App& app, Config& c, std::string& config_path) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
@@ -87,56 +109,53 @@ void bind(CLI::App& app, Config& c, std::string& config_path) {
                  "folder of the data set files (default: the data "
                  "set's default folder)");
   app.add_option("--train-subset", c.train_subset, "train on the first N images (0: all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   app.add_option("--test-subset", c.test_subset, "test on the first N images (0: all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   app.add_option("--model", c.model, "model")->check(CLI::IsMember(ex::model_names()));
   app.add_option("--mode", c.mode, "decentralized (gossip), allreduce or local")
       ->check(CLI::IsMember({"decentralized", "allreduce", "local"}));
   app.add_option("--topology", c.topology, "gossip topology (complete, ring, exp, aer, ...)");
   app.add_option("--lws", c.lws, "ranks per node for the topology (0: found through MPI)")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "bucket size cap in MB")
-      ->check(CLI::PositiveNumber);
+      ->check(kNonNegative);
+  app.add_option("--bucket-cap-mb", c.bucket_cap_mb, "bucket size cap in MB")->check(kPositive);
   app.add_option("--optimizer", c.optimizer, "sgd, adamw or accum_adamw")
       ->check(CLI::IsMember({"sgd", "adamw", "accum_adamw"}));
-  app.add_option("--lr", c.lr, "peak learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--lr", c.lr, "peak learning rate")->check(kPositive);
   app.add_option("--weight-decay", c.weight_decay, "weight decay (< 0: the optimizer's default)");
   app.add_option("--momentum", c.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0));
   app.add_option("--nesterov", c.nesterov, "SGD Nesterov momentum (true/false)");
   app.add_option("--beta1", c.beta1, "Adam beta1")->check(CLI::Range(0.0, 1.0));
   app.add_option("--beta2", c.beta2, "Adam beta2")->check(CLI::Range(0.0, 1.0));
-  app.add_option("--accum-iter", c.accum_iter, "AccumAdamW accumulation window")
-      ->check(CLI::PositiveNumber);
+  app.add_option("--accum-iter", c.accum_iter, "AccumAdamW accumulation window")->check(kPositive);
   app.add_option("--schedule", c.schedule, "cosine (with warmup), step or constant")
       ->check(CLI::IsMember({"cosine", "step", "constant"}));
   app.add_option("--warmup-epochs", c.warmup_epochs, "cosine: linear warmup length in epochs")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--step-epochs", c.step_epochs, "step: epochs between decays")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--gamma", c.gamma, "step: decay factor")->check(CLI::PositiveNumber);
-  app.add_option("--epochs", c.epochs, "epochs")->check(CLI::PositiveNumber);
-  app.add_option("--batch", c.batch, "images per rank and step")->check(CLI::PositiveNumber);
-  app.add_option("--threads", c.threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
+      ->check(kNonNegative);
+  app.add_option("--step-epochs", c.step_epochs, "step: epochs between decays")->check(kPositive);
+  app.add_option("--gamma", c.gamma, "step: decay factor")->check(kPositive);
+  app.add_option("--epochs", c.epochs, "epochs")->check(kPositive);
+  app.add_option("--batch", c.batch, "images per rank and step")->check(kPositive);
+  app.add_option("--threads", c.threads, "intra-op threads per rank")->check(kPositive);
   app.add_option("--seed", c.seed, "seed of the model, the sharding and the augmentation");
   app.add_option("--augment", c.augment,
                  "auto (crop + flip for CIFAR, none for Fashion-MNIST), none or crop-flip")
       ->check(CLI::IsMember({"auto", "none", "crop-flip"}));
   app.add_option("--noniid-alpha", c.noniid_alpha,
                  "Dirichlet alpha of a non-IID split over labels (0: IID)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   app.add_option("--output", c.output, "output folder (default: runs/<dataset>-<model>-<mode>)");
   app.add_option("--progress", c.progress,
                  "bar (one live line), lines (plain periodic lines) or auto (bar when stdout is a "
                  "terminal; mpirun may present a terminal even when its output goes to a file)")
       ->check(CLI::IsMember({"auto", "bar", "lines"}));
   app.add_option("--log-every", c.log_every, "plain progress line every N steps (0: 10 per epoch)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   app.add_option("--consensus-every", c.consensus_every,
                  "also record the consensus distance every N steps in consensus.csv (0: only "
                  "at the end of each epoch)")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--eval-batch", c.eval_batch, "evaluation batch")->check(CLI::PositiveNumber);
+      ->check(kNonNegative);
+  app.add_option("--eval-batch", c.eval_batch, "evaluation batch")->check(kPositive);
 }
 
 nlohmann::json to_json(const Config& c) {

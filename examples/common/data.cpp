@@ -151,9 +151,11 @@ Dataset read_cifar(const std::string& dir, bool train, bool hundred) {
   std::vector<at::Tensor> images, labels;
   for (const auto& f : files) {
     if (!exists(f))
-      throw DataError(f + ": no such file (the " + std::string(hundred ? "CIFAR-100" : "CIFAR-10") +
-                      " binary version is expected in " + (dir.empty() ? "." : dir) + " or its " +
-                      sub + "/)");
+      throw DataError(
+          f + ": no such file (the " + std::string(hundred ? "CIFAR-100" : "CIFAR-10") +
+          " binary version is expected in " +
+          (dir.empty() ? std::string("the folder given, or the current one when none is") : dir) +
+          ", or in its " + sub + "/)");
     read_cifar_file(f, hundred ? 2 : 1, hundred ? 100 : 10, images, labels);
   }
   Dataset d;
