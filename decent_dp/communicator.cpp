@@ -11,6 +11,13 @@ at::Tensor Communicator::allocate(int64_t numel, const at::TensorOptions& option
   return at::zeros({numel}, options);
 }
 
+std::shared_ptr<Work> Communicator::allgather(const at::Tensor& /*output*/,
+                                              const at::Tensor& /*input*/,
+                                              const AllgatherOptions& /*options*/) {
+  throw InvalidArgument(detail::cat("allgather: the ", to_string(backend()),
+                                    " backend does not implement all-gather"));
+}
+
 const char* to_string(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:

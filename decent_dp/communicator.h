@@ -20,6 +20,23 @@ enum class Backend { kMpi, kNccl };
 const char* to_string(ReduceOp op);
 const char* to_string(Backend backend);
 
+// Per-operation options (c10d style): new settings are new fields, not new signatures.
+struct AllreduceOptions {
+  ReduceOp op = ReduceOp::kSum;
+  std::vector<int> ranks;                // the group, ascending; empty: every rank
+  std::chrono::milliseconds timeout{0};  // of the returned Work; 0: the communicator's
+};
+
+struct AllgatherOptions {
+  std::vector<int> ranks;                // the group, ascending; empty: every rank
+  std::chrono::milliseconds timeout{0};  // of the returned Work; 0: the communicator's
+};
+
+// Call-order contract (as c10d's): every member of a group issues that group's collectives
+// in the same order, and a process issues its collectives from one thread at a time (two
+// threads calling allreduce concurrently is safe for the communicator and still wrong for
+// the program: the order would differ across ranks). Operations that a backend does not
+// implement throw InvalidArgument naming the backend.
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -41,21 +58,32 @@ class Communicator {
   // this rank alone).
   virtual bool has_group(const std::vector<int>& ranks) const = 0;
 
-  // Asynchronous in-place all-reduce of `tensor` over the group `ranks` (ascending, must
-  // contain this rank). kAvg divides the sum by the group size, in the tensor's dtype.
+  // Asynchronous all-reduce of `input` over the group `options.ranks` (ascending, must
+  // contain this rank) into `output` (same dtype and number of elements; may be `input`).
+  // kAvg divides the sum by the group size, in the tensor's dtype. `input` must not change
+  // until the work is done.
+  virtual std::shared_ptr<Work> allreduce(const at::Tensor& input, const at::Tensor& output,
+                                          const AllreduceOptions& options) = 0;
+  // Shorthands: in place, and out of place on group `ranks`.
   std::shared_ptr<Work> allreduce(const at::Tensor& tensor, const std::vector<int>& ranks,
                                   ReduceOp op) {
-    return allreduce(tensor, tensor, ranks, op);
+    return allreduce(tensor, tensor, AllreduceOptions{op, ranks, {}});
   }
-  // Out-of-place form: the result of reducing `input` lands in `output` (same dtype and
-  // number of elements; may be `input`). `input` must not change until the work is done.
-  virtual std::shared_ptr<Work> allreduce(const at::Tensor& input, const at::Tensor& output,
-                                          const std::vector<int>& ranks, ReduceOp op) = 0;
+  std::shared_ptr<Work> allreduce(const at::Tensor& input, const at::Tensor& output,
+                                  const std::vector<int>& ranks, ReduceOp op) {
+    return allreduce(input, output, AllreduceOptions{op, ranks, {}});
+  }
   // Asynchronous broadcast of `tensor` from world rank `root` to every rank.
   virtual std::shared_ptr<Work> broadcast(const at::Tensor& tensor, int root) = 0;
-  // Asynchronous all-gather over all ranks: `output` holds size() * input.numel() elements
-  // of input's dtype; rank r's input lands at elements [r * n, (r + 1) * n).
-  virtual std::shared_ptr<Work> allgather(const at::Tensor& output, const at::Tensor& input) = 0;
+  // Asynchronous all-gather over the group `options.ranks` (Note [group all-gather]):
+  // `output` holds k * input.numel() elements of input's dtype for a group of k ranks, and
+  // the input of the group's m-th rank (ascending order) lands at elements [m n, (m + 1) n).
+  virtual std::shared_ptr<Work> allgather(const at::Tensor& output, const at::Tensor& input,
+                                          const AllgatherOptions& options);
+  // Over all ranks: rank r's input lands at elements [r * n, (r + 1) * n).
+  std::shared_ptr<Work> allgather(const at::Tensor& output, const at::Tensor& input) {
+    return allgather(output, input, AllgatherOptions{});
+  }
   // Blocks until every rank has entered the barrier (honours the default timeout).
   virtual void barrier() = 0;
 
@@ -68,6 +96,9 @@ class Communicator {
 
   // Default timeout of the Work handles this communicator returns.
   virtual std::chrono::milliseconds timeout() const = 0;
+
+  // True when this communicator's operations take tensors on `device` (MPI: CPU).
+  virtual bool supports(const c10::Device& device) const = 0;
 };
 
 // "[0,1,2]"

@@ -19,8 +19,11 @@
 #include <utility>
 #include <vector>
 
-#include "decent_dp/bucket.h"
+#include "decent_dp/backend.h"
+#include "decent_dp/bucket_set.h"
 #include "decent_dp/communicator.h"
+#include "decent_dp/exchange_stage.h"
+#include "decent_dp/global_averager.h"
 #include "optim/factories.h"
 #include "topology/topology.h"
 
@@ -30,7 +33,9 @@ using optim::LrSchedulerFn;
 using optim::NamedParams;
 using optim::OptimFn;
 
-class GradReadyHooks;
+class Exchange;
+class GossipExchange;
+class GradReady;
 
 // Options of both wrappers (spec §6), validated on construction.
 struct DataParallelOptions {
@@ -40,23 +45,22 @@ struct DataParallelOptions {
   double grad_clip_norm = 0;          // > 0: clip each bucket's gradient norm before its step
   bool sync_buffers_in_global_avg = false;
   int local_world_size = 0;  // ranks per node for the topology; 0: found through MPI
-};
-
-// Optimizers may implement this to see their neighbours' values: called in every bucket just
-// before mixing, with the group of the exchange, its self weight and the received block
-// (the group mean of the parameters the members sent).
-class PreMixingHook {
- public:
-  virtual ~PreMixingHook() = default;
-  virtual void pre_mix(const topology::Group& group, double self_weight,
-                       const at::Tensor& received) = 0;
+  // Order of the parameters inside each bucket (Note [flat parameter groups]): the default
+  // keeps the groups of the library's optimizer factories contiguous, so they step flat.
+  // Empty: gradient-ready order.
+  LayoutKey bucket_layout_key = default_layout_key;
+  // Gossip mode: the stages of the exchange (Note [exchange seam]). Both null: the group
+  // all-reduce to the mean; otherwise the group all-gather, decoded and aggregated.
+  std::shared_ptr<Codec> codec;
+  std::shared_ptr<Aggregator> aggregator;
 };
 
 enum class ExchangeMode { kGossip, kAllReduce };
 
-// The process-wide MPI communicator the wrappers use unless given one.
-std::shared_ptr<Communicator> default_communicator();
-
+// The thin nn::Module facade that wires the pieces together: GradReady (hooks, counting) ->
+// BucketSet (storage, binding) -> Exchange (gossip or all-reduce) -> the buckets' optimizers;
+// GlobalAverager for global_avg / revert / consensus distance. docs/architecture.md follows
+// one step through them.
 class DataParallelCore : public torch::nn::Module {
  public:
   DataParallelCore(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options,
@@ -112,7 +116,8 @@ class DataParallelCore : public torch::nn::Module {
   // Names of parameters excluded because they received no gradient in iteration 1.
   const std::vector<std::string>& unused_parameters() const { return unused_; }
   const topology::Topology& topology() const { return *topology_; }
-  Communicator& communicator() { return *comm_; }
+  // The communicator of the exchanges (the parameters' device).
+  Communicator& communicator() { return *data_; }
   ExchangeMode mode() const { return mode_; }
 
   // Waits for every exchange in flight (their results are applied by the next update).
@@ -121,7 +126,7 @@ class DataParallelCore : public torch::nn::Module {
   // Seconds this rank spent blocked on the wrappers' exchanges so far: in gossip mode waiting
   // for the previous exchange before an update, in all-reduce mode waiting for a gradient
   // reduction before the step, and in synchronize(). Exchanges that had finished cost nothing.
-  double exchange_wait_seconds() const { return exchange_wait_seconds_; }
+  double exchange_wait_seconds() const;
 
  protected:
   // Called by forward() before the wrapped module's forward.
@@ -132,60 +137,36 @@ class DataParallelCore : public torch::nn::Module {
   void revert_global_avg_impl();
   double consensus_distance_impl();
   void set_adaptive_factor_impl(double a);
-  double adaptive_factor_impl() const { return adaptive_factor_; }
+  double adaptive_factor_impl() const;
 
  private:
-  struct Bucket;
-
-  void check_same_model();
-  void broadcast_initial_state();
-  void on_grad_ready(size_t index);
-  void end_of_backward();
   void build_buckets();
-  void process_bucket(size_t b);
-  void step_bucket(Bucket& bucket);
-  void step_reduced_buckets(bool block);
-  void reset_counting();
-  void wait_for_exchange(Work& work);
+  void on_bucket(size_t b);
+  void take_update(Bucket& bucket);
+  std::vector<at::Tensor> averaged_buffers();
 
   std::shared_ptr<torch::nn::Module> module_;
   DataParallelOptions options_;
   OptimFn optim_fn_;
   LrSchedulerFn scheduler_fn_;
-  std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<Communicator> control_;  // CPU: model checks, bucket metadata
+  std::shared_ptr<Communicator> data_;     // the parameters' device: exchanges
   ExchangeMode mode_;
   std::unique_ptr<topology::Topology> topology_;
-  std::vector<int> all_ranks_;
 
   std::vector<std::string> names_;  // named_parameters() of the wrapped module
   std::vector<at::Tensor> params_;  // same order
-  std::vector<size_t> hooked_;      // indices of parameters that require grad
-  std::unique_ptr<GradReadyHooks> hooks_;
-
-  std::vector<Bucket> buckets_;
-  std::vector<size_t> bucket_of_;  // parameter index -> bucket (npos: excluded)
+  std::unique_ptr<ParamBinding> binding_;
+  BucketSet buckets_;
+  std::unique_ptr<Exchange> exchange_;
+  GossipExchange* gossip_ = nullptr;  // exchange_ in gossip mode
+  GlobalAverager averager_;
+  std::unique_ptr<GradReady> ready_;
   std::vector<std::string> unused_;
 
-  // Per backward.
-  std::vector<size_t> ready_order_;  // iteration 1
-  std::vector<char> ready_;
-  std::vector<size_t> pending_;
-  size_t next_bucket_ = 0;
-  std::vector<size_t> awaiting_step_;  // all-reduce mode: buckets reduced but not stepped
-  bool armed_ = false;
-  bool callback_queued_ = false;
-  bool backward_done_ = false;
   bool accumulate_ = false;
-
   int64_t steps_ = 0;
   int64_t updates_ = 0;
-  double adaptive_factor_ = 1.0;
-  double exchange_wait_seconds_ = 0;
-
-  // global_avg backup.
-  std::vector<at::Tensor> backup_params_;
-  std::vector<at::Tensor> backup_buffers_;
-  bool has_backup_ = false;
 };
 
 namespace detail {

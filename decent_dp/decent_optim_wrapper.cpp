@@ -2,9 +2,11 @@
 
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "decent_dp/data_parallel.h"
-#include "decent_dp/logging.h"
-#include "topology/errors.h"
+#include "decent_dp/backend.h"
+#include "decent_dp/env.h"
+#include "decent_dp/errors.h"
+#include "decent_dp/exchange.h"
+#include "decent_dp/model_sync.h"
 
 namespace decent_dp {
 namespace {
@@ -19,77 +21,90 @@ std::vector<torch::optim::OptimizerParamGroup> mirror_groups(torch::optim::Optim
   return groups;
 }
 
+torch::optim::Optimizer& checked(const std::shared_ptr<torch::optim::Optimizer>& optimizer) {
+  DECENT_DP_CHECK_ARG(optimizer != nullptr,
+                      "DecentOptimWrapper: optimizer must not be null; pass the "
+                      "torch::optim::Optimizer to wrap");
+  return *optimizer;
+}
+
+std::unique_ptr<torch::optim::OptimizerOptions> default_options(
+    const std::shared_ptr<torch::optim::Optimizer>& optimizer) {
+  torch::optim::Optimizer& inner = checked(optimizer);
+  return inner.param_groups().empty() ? nullptr : inner.param_groups()[0].options().clone();
+}
+
 }  // namespace
 
 DecentOptimWrapper::DecentOptimWrapper(std::shared_ptr<torch::optim::Optimizer> optimizer, int rank,
                                        int world_size, int local_world_size,
                                        const std::string& topology, double bucket_cap_mb,
                                        std::shared_ptr<Communicator> comm)
-    : Optimizer(mirror_groups(*optimizer), optimizer->param_groups().empty()
-                                               ? nullptr
-                                               : optimizer->param_groups()[0].options().clone()),
+    : Optimizer(mirror_groups(checked(optimizer)), default_options(optimizer)),
       inner_(std::move(optimizer)),
-      comm_(comm ? std::move(comm) : default_communicator()) {
-  DECENT_DP_CHECK_ARG(inner_ != nullptr, "DecentOptimWrapper: optimizer must not be null");
+      control_(comm ? std::move(comm) : default_communicator()) {
   size_t count = 0;
-  for (const auto& g : inner_->param_groups())
+  for (const auto& g : inner_->param_groups()) {
     count += g.params().size();
+  }
   DECENT_DP_CHECK_ARG(count > 0,
                       "DecentOptimWrapper: the optimizer has no parameters; expected at least "
                       "one parameter group with parameters");
-  DECENT_DP_CHECK_ARG(rank == comm_->rank() && world_size == comm_->size(),
+  DECENT_DP_CHECK_ARG(rank == control_->rank() && world_size == control_->size(),
                       "DecentOptimWrapper: rank ", rank, " / world_size ", world_size,
-                      " do not match the communicator's ", comm_->rank(), " / ", comm_->size());
+                      " do not match the communicator's ", control_->rank(), " / ",
+                      control_->size());
   DECENT_DP_CHECK_ARG(local_world_size >= 1 && local_world_size <= world_size,
                       "DecentOptimWrapper: local_world_size must be in [1, ", world_size, "], got ",
                       local_world_size);
   DECENT_DP_CHECK_ARG(bucket_cap_mb > 0, "DecentOptimWrapper: bucket_cap_mb must be > 0, got ",
                       bucket_cap_mb);
   topology_ = topology::make_topology(topology, world_size, local_world_size);
-  for (int r = 0; r < world_size; ++r)
-    all_ranks_.push_back(r);
 
   // Buckets in parameter-group order.
   std::vector<at::Tensor> params;
-  std::vector<BucketEntry> entries;
-  for (const auto& g : inner_->param_groups()) {
-    for (const auto& p : g.params()) {
-      DECENT_DP_CHECK_ARG(p.device().is_cpu(), "DecentOptimWrapper: parameter ", params.size(),
-                          " is on ", p.device().str(),
-                          "; this build communicates CPU tensors over MPI");
-      entries.push_back({params.size(), p.numel(), p.scalar_type(), p.device()});
-      params.push_back(p);
+  std::vector<std::string> names;
+  std::vector<size_t> order;
+  NamedTensors items;
+  for (size_t g = 0; g < inner_->param_groups().size(); ++g) {
+    const auto& group = inner_->param_groups()[g];
+    for (size_t j = 0; j < group.params().size(); ++j) {
+      order.push_back(params.size());
+      params.push_back(group.params()[j]);
+      names.push_back(detail::cat("group ", g, " parameter ", j));
+      items.emplace_back(names.back(), params.back());
+      DECENT_DP_CHECK_ARG(params.back().device() == params[0].device(),
+                          "DecentOptimWrapper: ", names.back(), " is on ",
+                          params.back().device().str(), ", the first parameter on ",
+                          params[0].device().str(), "; every parameter must be on one device");
     }
   }
-  torch::NoGradGuard no_grad;
-  const auto specs =
-      plan_buckets(entries, std::max<int64_t>(1, static_cast<int64_t>(bucket_cap_mb * (1 << 20))));
-  std::vector<std::shared_ptr<Work>> works;
-  for (const auto& spec : specs) {
-    std::vector<at::Tensor> members;
-    for (size_t i : spec.params)
-      members.push_back(params[i]);
-    Bucket b;
-    b.spec = spec;
-    b.storage = make_bucket_storage(
-        spec, members, /*as_view=*/true, /*bind_grads=*/false,
-        [this](int64_t numel, const at::TensorOptions& o) { return comm_->allocate(numel, o); });
-    b.params = std::move(members);
-    buckets_.push_back(std::move(b));
+  data_ = communicator_for_device(params[0].device(), control_);
+  check_same_model(*control_, items);
+  at::NoGradGuard no_grad;
+  binding_ = make_param_binding(/*as_view=*/true);
+  BucketSetOptions o;
+  o.bucket_cap_mb = bucket_cap_mb;
+  o.bind_grads = false;
+  Communicator* data = data_.get();
+  o.allocate = [data](int64_t numel, const at::TensorOptions& t) {
+    return data->allocate(numel, t);
+  };
+  buckets_.build(order, params, names, *binding_, o);
+  std::vector<at::Tensor> blocks;
+  for (Bucket& b : buckets_) {
+    blocks.push_back(b.storage.params);
   }
-  for (auto& b : buckets_)
-    works.push_back(comm_->broadcast(b.storage.params, 0));
-  for (auto& w : works)
-    w->wait();
-  comm_->make_groups(topology_->distinct_groups());
-  for (auto& g : param_groups_)
+  broadcast_from_rank0(*data_, blocks);
+  data_->make_groups(topology_->distinct_groups());
+  gossip_ = std::make_unique<GossipExchange>(data_, *topology_);
+  for (auto& g : param_groups_) {
     last_lrs_.push_back(g.options().get_lr());
+  }
 }
 
 DecentOptimWrapper::~DecentOptimWrapper() {
-  for (auto& b : buckets_) {
-    wait_in_destructor(b.work);
-  }
+  Exchange::drain(buckets_, std::chrono::milliseconds(env::shutdown_timeout_ms()));
 }
 
 void DecentOptimWrapper::sync_learning_rates() {
@@ -110,24 +125,15 @@ at::Tensor DecentOptimWrapper::step(LossClosure closure) {
   DECENT_DP_CHECK_ARG(!closure,
                       "DecentOptimWrapper::step: closures are not supported (the exchange must "
                       "run exactly once per step); call backward() yourself, then step()");
-  torch::NoGradGuard no_grad;
+  at::NoGradGuard no_grad;
   sync_learning_rates();
-  // Exchanges in flight were launched after update steps_, on that update's slot.
-  const auto& previous = topology_->group_of(comm_->rank(), steps_);
-  for (auto& b : buckets_) {
-    if (b.work) {
-      b.work->wait();
-      mix_group_mean(b.storage, b.params, previous, /*adaptive_factor=*/1.0);
-      b.work.reset();
-    }
+  const int64_t u = steps_ + 1;  // this update's number
+  for (Bucket& b : buckets_) {
+    gossip_->apply(b, u);  // exchange u - 1, on slot (u - 1) mod P
   }
   inner_->step();
-  if (comm_->size() > 1) {
-    // Exchange u after update u, on slot u mod P (spec §2, §10).
-    const auto& group = topology_->group_of(comm_->rank(), steps_ + 1);
-    for (auto& b : buckets_) {
-      b.work = comm_->allreduce(b.storage.params, b.storage.comm, group.ranks, ReduceOp::kAvg);
-    }
+  for (Bucket& b : buckets_) {
+    gossip_->launch(b, u);  // exchange u after update u, on slot u mod P (spec §2, §10)
   }
   ++steps_;
   return {};
@@ -138,36 +144,14 @@ void DecentOptimWrapper::zero_grad(bool set_to_none) {
 }
 
 void DecentOptimWrapper::global_avg(bool may_revert) {
-  torch::NoGradGuard no_grad;
-  for (auto& b : buckets_) {
-    if (b.work)
-      b.work->wait();
+  for (Bucket& b : buckets_) {
+    gossip_->wait(b);
   }
-  backup_.clear();
-  has_backup_ = may_revert;
-  std::vector<std::shared_ptr<Work>> works;
-  for (auto& b : buckets_) {
-    if (may_revert)
-      backup_.push_back(b.storage.params.clone());
-    works.push_back(comm_->allreduce(b.storage.params, all_ranks_, ReduceOp::kAvg));
-  }
-  for (auto& w : works)
-    w->wait();
-  if (!may_revert) {
-    for (auto& b : buckets_)
-      b.work.reset();  // continue from the mean
-  }
+  averager_.global_avg(buckets_, *binding_, *data_, {}, may_revert, /*return_d2c=*/false);
 }
 
 void DecentOptimWrapper::revert_global_avg() {
-  DECENT_DP_CHECK_ARG(has_backup_,
-                      "revert_global_avg: there is no backup to restore; call "
-                      "global_avg(may_revert = true) first");
-  torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < buckets_.size(); ++i)
-    buckets_[i].storage.params.copy_(backup_[i]);
-  backup_.clear();
-  has_backup_ = false;
+  averager_.revert(buckets_, *binding_, {});
 }
 
 }  // namespace decent_dp

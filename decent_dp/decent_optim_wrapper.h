@@ -19,11 +19,14 @@
 #include <string>
 #include <vector>
 
-#include "decent_dp/bucket.h"
+#include "decent_dp/bucket_set.h"
 #include "decent_dp/communicator.h"
+#include "decent_dp/global_averager.h"
 #include "topology/topology.h"
 
 namespace decent_dp {
+
+class GossipExchange;
 
 class DecentOptimWrapper : public torch::optim::Optimizer {
  public:
@@ -51,22 +54,17 @@ class DecentOptimWrapper : public torch::optim::Optimizer {
   size_t bucket_count() const { return buckets_.size(); }
 
  private:
-  struct Bucket {
-    BucketSpec spec;
-    BucketStorage storage;
-    std::vector<at::Tensor> params;  // the inner optimizer's parameters in this bucket
-    std::shared_ptr<Work> work;
-  };
   void sync_learning_rates();
 
   std::shared_ptr<torch::optim::Optimizer> inner_;
-  std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<Communicator> control_;
+  std::shared_ptr<Communicator> data_;
   std::unique_ptr<topology::Topology> topology_;
-  std::vector<int> all_ranks_;
-  std::vector<Bucket> buckets_;
+  std::unique_ptr<ParamBinding> binding_;
+  BucketSet buckets_;
+  std::unique_ptr<GossipExchange> gossip_;
+  GlobalAverager averager_;
   std::vector<double> last_lrs_;  // per group, to see which side a scheduler changed
-  std::vector<at::Tensor> backup_;
-  bool has_backup_ = false;
   int64_t steps_ = 0;
 };
 

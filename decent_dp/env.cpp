@@ -1,5 +1,6 @@
 #include "decent_dp/env.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
 
@@ -42,6 +43,12 @@ std::string log_level() {
 
 int64_t timeout_ms() {
   static const int64_t value = read_int("DECENT_DP_TIMEOUT_MS", 600000, 1);
+  return value;
+}
+
+int64_t shutdown_timeout_ms() {
+  static const int64_t value =
+      read_int("DECENT_DP_SHUTDOWN_TIMEOUT_MS", std::min<int64_t>(30000, timeout_ms()), 1);
   return value;
 }
 

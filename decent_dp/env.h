@@ -2,6 +2,9 @@
 //
 //   DECENT_DP_LOG_LEVEL          trace | debug | info | warn | error | off   (default warn)
 //   DECENT_DP_TIMEOUT_MS         default timeout of Work::wait() in ms        (default 600000)
+//   DECENT_DP_SHUTDOWN_TIMEOUT_MS  how long a wrapper's or communicator's destructor lets
+//                                exchanges in flight finish, all of them together
+//                                (default min(30000, DECENT_DP_TIMEOUT_MS))
 //   DECENT_DP_PROGRESS_INTERVAL_US  sleep between two polls of the MPI progress thread
 //                                while nobody waits, in microseconds        (default 50)
 //   DECENT_DP_SHM                1 | 0: ranks of one node exchange the wrappers' buffers
@@ -19,6 +22,7 @@ namespace env {
 
 std::string log_level();
 int64_t timeout_ms();
+int64_t shutdown_timeout_ms();
 int64_t progress_interval_us();
 bool shared_memory();
 

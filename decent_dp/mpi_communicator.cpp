@@ -10,6 +10,8 @@
 #include <map>
 #include <thread>
 
+#include "decent_dp/detail/allgather.h"
+#include "decent_dp/detail/mpi_check.h"
 #include "decent_dp/detail/progress_engine.h"
 #include "decent_dp/detail/ring_allreduce.h"
 #include "decent_dp/detail/shm.h"
@@ -21,30 +23,6 @@ namespace decent_dp {
 namespace {
 
 using detail::cat;
-
-std::atomic<int> g_world_rank{-1};
-
-std::string mpi_error_string(int code) {
-  char buffer[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  if (MPI_Error_string(code, buffer, &length) != MPI_SUCCESS) {
-    return cat("MPI error code ", code);
-  }
-  return std::string(buffer, static_cast<size_t>(length));
-}
-
-[[noreturn]] void throw_mpi_error(const char* call, int code, const char* file, int line) {
-  throw CommError(cat(call, " failed on rank ", g_world_rank.load(), " at ", file, ":", line, ": ",
-                      mpi_error_string(code)));
-}
-
-#define DECENT_DP_MPI_CHECK(call)                                \
-  do {                                                           \
-    const int decent_dp_rc_ = (call);                            \
-    if (decent_dp_rc_ != MPI_SUCCESS) {                          \
-      throw_mpi_error(#call, decent_dp_rc_, __FILE__, __LINE__); \
-    }                                                            \
-  } while (0)
 
 // ---- one-time MPI initialisation ----
 
@@ -93,7 +71,7 @@ void acquire_mpi() {
   }
   int world_rank = 0;
   DECENT_DP_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
-  g_world_rank.store(world_rank);
+  detail::set_mpi_world_rank(world_rank);
   ++g_live_communicators;
 }
 
@@ -192,6 +170,10 @@ struct MpiCommunicator::Impl {
   std::atomic<uint64_t> shared_allreduces{0};
   std::atomic<uint64_t> allreduce_bytes_sent{0};
   std::atomic<uint64_t> allreduce_bytes_received{0};
+  std::atomic<uint64_t> p2p_allgathers{0};
+  std::atomic<uint64_t> shared_allgathers{0};
+  std::atomic<uint64_t> allgather_bytes_sent{0};
+  std::atomic<uint64_t> allgather_bytes_received{0};
 
   // True when every rank of `ranks` is on this rank's node.
   bool same_node(const std::vector<int>& ranks) const {
@@ -244,8 +226,39 @@ struct MpiCommunicator::Impl {
         std::move(complete));
   }
 
-  std::shared_ptr<Work> make_work(std::string description, std::vector<at::Tensor> tensors) {
-    return std::make_shared<MpiWork>(std::move(description), std::move(tensors), timeout, engine);
+  std::shared_ptr<Work> make_work(std::string description, std::vector<at::Tensor> tensors,
+                                  std::chrono::milliseconds op_timeout = {}) {
+    return std::make_shared<MpiWork>(std::move(description), std::move(tensors),
+                                     op_timeout.count() > 0 ? op_timeout : timeout, engine);
+  }
+
+  // Checks that `ranks` is a group this rank can use in `op_name`: distinct ascending ranks
+  // containing this rank, created by make_groups unless it is the world or this rank alone.
+  // Returns its communicator (null for this rank alone).
+  GroupComm* checked_group(const std::vector<int>& ranks, const char* op_name) {
+    bool ranks_ok = !ranks.empty() && ranks.front() >= 0 && ranks.back() < size;
+    for (size_t i = 1; i < ranks.size() && ranks_ok; ++i) {
+      ranks_ok = ranks[i] > ranks[i - 1];
+    }
+    DECENT_DP_CHECK_ARG(ranks_ok && std::binary_search(ranks.begin(), ranks.end(), rank), op_name,
+                        ": ranks ", ranks_to_string(ranks), " must be distinct ranks in [0, ",
+                        size - 1, "] in ascending order that contain this rank (", rank, ")");
+    if (ranks.size() == 1) {
+      return nullptr;
+    }
+    GroupComm* group = group_for(ranks);
+    DECENT_DP_CHECK_ARG(group != nullptr, op_name, ": no communicator for group ",
+                        ranks_to_string(ranks), " on rank ", rank,
+                        "; create it first with make_groups() on every rank");
+    return group;
+  }
+
+  std::vector<int> all_ranks() const {
+    std::vector<int> out(size);
+    for (int r = 0; r < size; ++r) {
+      out[r] = r;
+    }
+    return out;
   }
 
   // Runs a blocking task in the engine, after every operation submitted before it started.
@@ -290,7 +303,8 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
   d.shared_memory = options.shared_memory < 0 ? env::shared_memory() : options.shared_memory != 0;
   d.shared_memory_min_bytes = std::max<int64_t>(0, options.shared_memory_min_bytes);
   acquire_mpi();
-  d.engine = std::make_shared<detail::ProgressEngine>(d.interval, d.timeout, g_world_rank.load());
+  d.engine = std::make_shared<detail::ProgressEngine>(
+      d.interval, std::chrono::milliseconds(env::shutdown_timeout_ms()), detail::mpi_world_rank());
   d.engine->start_thread();
   try {
     d.run_blocking("MpiCommunicator initialisation", [&d] {
@@ -441,8 +455,10 @@ void MpiCommunicator::make_groups(const std::vector<std::vector<int>>& groups) {
 }
 
 std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const at::Tensor& output,
-                                                 const std::vector<int>& ranks, ReduceOp op) {
+                                                 const AllreduceOptions& options) {
   Impl& d = *impl_;
+  const ReduceOp op = options.op;
+  const std::vector<int> ranks = options.ranks.empty() ? d.all_ranks() : options.ranks;
   check_cpu_tensor(tensor, "allreduce", "tensor");
   const bool in_place = output.defined() && output.is_same(tensor);
   if (!in_place) {
@@ -456,23 +472,13 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
   DECENT_DP_CHECK_ARG(!(op == ReduceOp::kAvg && !tensor.is_floating_point()),
                       "allreduce: ReduceOp::kAvg needs a floating-point tensor, got ",
                       dtype_name(tensor), " (use kSum for integers)");
-  bool ranks_ok = !ranks.empty() && ranks.front() >= 0 && ranks.back() < d.size;
-  for (size_t i = 1; i < ranks.size() && ranks_ok; ++i) {
-    ranks_ok = ranks[i] > ranks[i - 1];
-  }
-  DECENT_DP_CHECK_ARG(ranks_ok && std::binary_search(ranks.begin(), ranks.end(), d.rank),
-                      "allreduce: ranks ", ranks_to_string(ranks),
-                      " must be distinct ranks in [0, ", d.size - 1,
-                      "] in ascending order that contain this rank (", d.rank, ")");
+  Impl::GroupComm* group = d.checked_group(ranks, "allreduce");
   const int64_t k = static_cast<int64_t>(ranks.size());
-  Impl::GroupComm* group = k == 1 ? nullptr : d.group_for(ranks);
-  DECENT_DP_CHECK_ARG(k == 1 || group != nullptr, "allreduce: no communicator for group ",
-                      ranks_to_string(ranks), " on rank ", d.rank,
-                      "; create it first with make_groups() on every rank");
   auto work = d.make_work(
       cat("allreduce(", to_string(op), ", ", tensor.numel(), " x ", dtype_name(tensor),
           ") on group ", ranks_to_string(ranks), " (rank ", d.rank, ")"),
-      in_place ? std::vector<at::Tensor>{tensor} : std::vector<at::Tensor>{tensor, output});
+      in_place ? std::vector<at::Tensor>{tensor} : std::vector<at::Tensor>{tensor, output},
+      options.timeout);
   if (k == 1) {
     if (!in_place) {
       std::memcpy(output.data_ptr(), tensor.data_ptr(), tensor.nbytes());
@@ -560,32 +566,54 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int r
   });
 }
 
-std::shared_ptr<Work> MpiCommunicator::allgather(const at::Tensor& output,
-                                                 const at::Tensor& input) {
+std::shared_ptr<Work> MpiCommunicator::allgather(const at::Tensor& output, const at::Tensor& input,
+                                                 const AllgatherOptions& options) {
   Impl& d = *impl_;
+  const std::vector<int> ranks = options.ranks.empty() ? d.all_ranks() : options.ranks;
   check_cpu_tensor(input, "allgather", "input");
   check_cpu_tensor(output, "allgather", "output");
   DECENT_DP_CHECK_ARG(output.scalar_type() == input.scalar_type(),
                       "allgather: output dtype must equal input dtype ", dtype_name(input),
                       ", got ", dtype_name(output));
-  DECENT_DP_CHECK_ARG(output.numel() == input.numel() * d.size,
-                      "allgather: output must hold world size * input.numel() = ", d.size, " * ",
-                      input.numel(), " = ", input.numel() * d.size, " elements, got ",
+  Impl::GroupComm* group = d.checked_group(ranks, "allgather");
+  const int64_t k = static_cast<int64_t>(ranks.size());
+  DECENT_DP_CHECK_ARG(output.numel() == input.numel() * k, "allgather: output must hold ",
+                      options.ranks.empty() ? "world size" : "group size", " * input.numel() = ", k,
+                      " * ", input.numel(), " = ", input.numel() * k, " elements, got ",
                       output.numel());
-  const int64_t bytes = static_cast<int64_t>(input.nbytes());
-  DECENT_DP_CHECK_ARG(bytes <= kMaxChunk, "allgather: input must be at most ", kMaxChunk,
-                      " bytes, got ", bytes);
-  auto work = d.make_work(cat("allgather(", input.numel(), " x ", dtype_name(input), ") over all ",
-                              d.size, " ranks (rank ", d.rank, ")"),
-                          {output, input});
+  auto work = d.make_work(cat("allgather(", input.numel(), " x ", dtype_name(input), ") on group ",
+                              ranks_to_string(ranks), " (rank ", d.rank, ")"),
+                          {output, input}, options.timeout);
   const char* in = static_cast<const char*>(input.data_ptr());
   char* out = static_cast<char*>(output.data_ptr());
-  MPI_Comm comm = d.world;
-  return d.submit_once(work, [in, out, bytes, comm] {
-    MPI_Request request = MPI_REQUEST_NULL;
-    DECENT_DP_MPI_CHECK(MPI_Iallgather(in, static_cast<int>(bytes), MPI_BYTE, out,
-                                       static_cast<int>(bytes), MPI_BYTE, comm, &request));
-    return std::vector<MPI_Request>{request};
+  const auto bytes = static_cast<size_t>(input.nbytes());
+  if (k == 1) {
+    if (out != in) {
+      std::memmove(out, in, bytes);
+    }
+    work->finish();
+    return work;
+  }
+  const bool try_shared = d.shared_memory && d.same_node(ranks) &&
+                          static_cast<int64_t>(bytes) >= d.shared_memory_min_bytes;
+  auto op = std::make_shared<std::unique_ptr<detail::GroupAllgather>>();
+  detail::PeerSegmentCache* peers = &d.peers;
+  Impl* impl = &d;
+  return d.submit(work, [op, impl, peers, group, in, out, bytes, try_shared] {
+    auto& gather = *op;
+    if (!gather) {
+      const int tag = static_cast<int>(group->sequence++ % 32768u);
+      gather = std::make_unique<detail::GroupAllgather>(in, out, bytes, group->comm, group->index,
+                                                        group->size, tag, try_shared, *peers);
+    }
+    std::vector<MPI_Request> requests = gather->next();
+    if (requests.empty()) {
+      (gather->used_shared_memory() ? impl->shared_allgathers : impl->p2p_allgathers).fetch_add(1);
+      impl->allgather_bytes_sent.fetch_add(static_cast<uint64_t>(gather->bytes_sent()));
+      impl->allgather_bytes_received.fetch_add(static_cast<uint64_t>(gather->bytes_received()));
+      gather.reset();
+    }
+    return requests;
   });
 }
 
@@ -625,6 +653,10 @@ MpiStats MpiCommunicator::stats() const {
   out.shared_memory_allreduces = impl_->shared_allreduces.load();
   out.allreduce_bytes_sent = impl_->allreduce_bytes_sent.load();
   out.allreduce_bytes_received = impl_->allreduce_bytes_received.load();
+  out.p2p_allgathers = impl_->p2p_allgathers.load();
+  out.shared_memory_allgathers = impl_->shared_allgathers.load();
+  out.allgather_bytes_sent = impl_->allgather_bytes_sent.load();
+  out.allgather_bytes_received = impl_->allgather_bytes_received.load();
   return out;
 }
 

@@ -27,6 +27,12 @@ struct MpiStats {
   // all-reduce over k ranks.
   uint64_t allreduce_bytes_sent = 0;
   uint64_t allreduce_bytes_received = 0;
+  // Group all-gathers of more than one rank (Note [group all-gather]) by transport, and the
+  // payload bytes this rank sent and received in them: (k - 1) n each way.
+  uint64_t p2p_allgathers = 0;
+  uint64_t shared_memory_allgathers = 0;
+  uint64_t allgather_bytes_sent = 0;
+  uint64_t allgather_bytes_received = 0;
 };
 
 struct MpiOptions {
@@ -63,17 +69,20 @@ class MpiCommunicator final : public Communicator {
   void make_groups(const std::vector<std::vector<int>>& groups) override;
   bool has_group(const std::vector<int>& ranks) const override;
 
+  using Communicator::allgather;
   using Communicator::allreduce;
   std::shared_ptr<Work> allreduce(const at::Tensor& input, const at::Tensor& output,
-                                  const std::vector<int>& ranks, ReduceOp op) override;
+                                  const AllreduceOptions& options) override;
   std::shared_ptr<Work> broadcast(const at::Tensor& tensor, int root) override;
-  std::shared_ptr<Work> allgather(const at::Tensor& output, const at::Tensor& input) override;
+  std::shared_ptr<Work> allgather(const at::Tensor& output, const at::Tensor& input,
+                                  const AllgatherOptions& options) override;
   void barrier() override;
   at::Tensor allocate(int64_t numel, const at::TensorOptions& options) override;
   // Counts of completed all-reduces by transport.
   MpiStats stats() const;
 
   std::chrono::milliseconds timeout() const override;
+  bool supports(const c10::Device& device) const override { return device.is_cpu(); }
 
   struct Impl;
 

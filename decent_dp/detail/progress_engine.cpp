@@ -7,21 +7,13 @@
 #include <sched.h>
 #endif
 
+#include "decent_dp/detail/mpi_check.h"
 #include "decent_dp/errors.h"
 #include "decent_dp/logging.h"
 
 namespace decent_dp {
 namespace detail {
 namespace {
-
-std::string mpi_error_text(int code) {
-  char buffer[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  if (MPI_Error_string(code, buffer, &length) != MPI_SUCCESS) {
-    return cat("MPI error code ", code);
-  }
-  return std::string(buffer, static_cast<size_t>(length));
-}
 
 void finish_op(ProgressEngine::Op& op, std::exception_ptr error) {
   op.done = true;
@@ -144,11 +136,11 @@ void ProgressEngine::poll_once() {
   if (!requests_.empty()) {
     indices_.resize(requests_.size());
     int count = 0;
-    const int rc = MPI_Testsome(static_cast<int>(requests_.size()), requests_.data(), &count,
-                                indices_.data(), MPI_STATUSES_IGNORE);
-    if (rc != MPI_SUCCESS) {
-      fail_all(std::make_exception_ptr(
-          CommError(cat("MPI_Testsome failed on rank ", rank_, ": ", mpi_error_text(rc)))));
+    try {
+      DECENT_DP_MPI_CHECK(MPI_Testsome(static_cast<int>(requests_.size()), requests_.data(), &count,
+                                       indices_.data(), MPI_STATUSES_IGNORE));
+    } catch (const CommError&) {
+      fail_all(std::current_exception());
       return;
     }
     if (count > 0 && count != MPI_UNDEFINED) {

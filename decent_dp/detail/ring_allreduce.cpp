@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <climits>
 
+#include "decent_dp/detail/mpi_check.h"
 #include "decent_dp/errors.h"
 
 namespace decent_dp {
@@ -49,18 +50,6 @@ void add_16bit(void* out, const void* a, const void* b, int64_t n, int64_t k) {
   for (int64_t i = 0; i < n; ++i) {
     const T sum = static_cast<T>(static_cast<float>(x[i]) + static_cast<float>(y[i]));
     o[i] = k > 1 ? static_cast<T>(static_cast<float>(sum) / divisor) : sum;
-  }
-}
-
-void check(int rc, const char* call) {
-  if (rc != MPI_SUCCESS) {
-    char buffer[MPI_MAX_ERROR_STRING];
-    int length = 0;
-    MPI_Error_string(rc, buffer, &length);
-    int rank = -1;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    throw CommError(cat(call, " failed on rank ", rank, " in the ring all-reduce: ",
-                        std::string(buffer, static_cast<size_t>(length))));
   }
 }
 
@@ -200,12 +189,10 @@ std::vector<MPI_Request> RingAllreduce::next() {
   bytes_received_ += chunk_size(recv_chunk) * element_size_;
   bytes_sent_ += chunk_size(send_chunk) * element_size_;
   MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-  check(MPI_Irecv(recv_into, static_cast<int>(chunk_size(recv_chunk) * element_size_), MPI_BYTE,
-                  left, tag_, comm_, &requests[0]),
-        "MPI_Irecv");
-  check(MPI_Isend(send_from, static_cast<int>(chunk_size(send_chunk) * element_size_), MPI_BYTE,
-                  right, tag_, comm_, &requests[1]),
-        "MPI_Isend");
+  DECENT_DP_MPI_CHECK(MPI_Irecv(recv_into, static_cast<int>(chunk_size(recv_chunk) * element_size_),
+                                MPI_BYTE, left, tag_, comm_, &requests[0]));
+  DECENT_DP_MPI_CHECK(MPI_Isend(send_from, static_cast<int>(chunk_size(send_chunk) * element_size_),
+                                MPI_BYTE, right, tag_, comm_, &requests[1]));
   return {requests[0], requests[1]};
 }
 

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "decent_dp/detail/allgather.h"
 #include "decent_dp/errors.h"
 
 namespace decent_dp {
@@ -36,16 +37,6 @@ std::string errno_text(int code) {
 size_t page_round(size_t bytes) {
   const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   return (std::max<size_t>(bytes, 1) + page - 1) / page * page;
-}
-
-void check(int rc, const char* call) {
-  if (rc != MPI_SUCCESS) {
-    char buffer[MPI_MAX_ERROR_STRING];
-    int length = 0;
-    MPI_Error_string(rc, buffer, &length);
-    throw CommError(cat(call, " failed in the shared-memory all-reduce: ",
-                        std::string(buffer, static_cast<size_t>(length))));
-  }
 }
 
 }  // namespace
@@ -209,36 +200,12 @@ ShmAllreduce::ShmAllreduce(const char* input, char* output, int64_t numel, c10::
 }
 
 std::vector<MPI_Request> ShmAllreduce::post_all(int stage) {
-  std::vector<MPI_Request> requests;
-  requests.reserve(2 * (size_ - 1));
-  for (int m = 0; m < size_; ++m) {
-    if (m == index_) {
-      continue;
-    }
-    MPI_Request r = MPI_REQUEST_NULL;
-    if (stage == 0) {
-      check(MPI_Irecv(&theirs_[m], sizeof(Descriptor), MPI_BYTE, m, tag_, comm_, &r), "MPI_Irecv");
-    } else {
-      check(MPI_Irecv(&signal_in_[m], 1, MPI_INT32_T, m, tag_, comm_, &r), "MPI_Irecv");
-    }
-    requests.push_back(r);
+  if (stage == 0) {
+    return post_member_exchange(&mine_, theirs_.data(), sizeof(Descriptor), sizeof(Descriptor),
+                                comm_, index_, size_, tag_);
   }
-  // The writes this member made (its input, its reduced chunk) are visible to the peers
-  // before they learn of them.
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  for (int m = 0; m < size_; ++m) {
-    if (m == index_) {
-      continue;
-    }
-    MPI_Request r = MPI_REQUEST_NULL;
-    if (stage == 0) {
-      check(MPI_Isend(&mine_, sizeof(Descriptor), MPI_BYTE, m, tag_, comm_, &r), "MPI_Isend");
-    } else {
-      check(MPI_Isend(&signal_out_, 1, MPI_INT32_T, m, tag_, comm_, &r), "MPI_Isend");
-    }
-    requests.push_back(r);
-  }
-  return requests;
+  return post_member_exchange(&signal_out_, signal_in_.data(), sizeof(int32_t), sizeof(int32_t),
+                              comm_, index_, size_, tag_);
 }
 
 const char* ShmAllreduce::peer_input(int m) const {

@@ -1,0 +1,242 @@
+#include "decent_dp/bucket_set.h"
+
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "decent_dp/errors.h"
+
+namespace decent_dp {
+namespace {
+
+class ViewBinding final : public ParamBinding {
+ public:
+  bool as_view() const override { return true; }
+  std::vector<at::Tensor> make_optimizer_params(Bucket& bucket) const override {
+    return bucket.params;
+  }
+  void on_grad_ready(Bucket& bucket, size_t k) const override {
+    // The gradient must live in the bucket's gradient block; an optimizer's or module's
+    // zero_grad(set_to_none) makes autograd allocate a fresh one: move it in.
+    const at::Tensor& view = bucket.storage.grad_views[k];
+    at::Tensor& p = bucket.params[k];
+    if (!p.grad().is_same(view)) {
+      if (p.grad().defined()) {
+        view.copy_(p.grad());
+      }
+      p.mutable_grad() = view;
+    }
+  }
+  void before_update(Bucket& bucket) const override {
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      at::Tensor& p = bucket.params[k];
+      const at::Tensor& view = bucket.storage.grad_views[k];
+      if (!p.grad().is_same(view)) {
+        if (p.grad().defined()) {
+          view.copy_(p.grad());  // accumulated without this backward (no_sync)
+        } else {
+          view.zero_();  // did not arrive: counts as zero
+        }
+        p.mutable_grad() = view;
+      }
+    }
+  }
+  void after_update(Bucket& bucket) const override {
+    // Note [releasing gradients]: the gradients are dropped (set to none) instead of zeroed.
+    // The next backward's AccumulateGrad then takes over the gradient it computed instead of
+    // adding it into a zeroed view, and on_grad_ready copies it into the view: one pass over
+    // the block instead of three (zero, read-add-write), no allocation either way.
+    for (auto& p : bucket.params) {
+      p.mutable_grad() = at::Tensor();
+    }
+  }
+  void load_block(Bucket& /*bucket*/) const override {}
+  void store_block(Bucket& /*bucket*/) const override {}
+};
+
+class CopyBinding final : public ParamBinding {
+ public:
+  bool as_view() const override { return false; }
+  std::vector<at::Tensor> make_optimizer_params(Bucket& bucket) const override {
+    std::vector<at::Tensor> shadows;
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      at::Tensor shadow = bucket.storage.param_views[k].detach();
+      shadow.requires_grad_(true);
+      if (!bucket.storage.grad_views.empty() && bucket.storage.grad_views[k].defined()) {
+        shadow.mutable_grad() = bucket.storage.grad_views[k];
+        const at::Tensor& g = bucket.params[k].grad();
+        if (g.defined()) {
+          bucket.storage.grad_views[k].copy_(g);
+        }
+      }
+      shadows.push_back(shadow);
+    }
+    return shadows;
+  }
+  void on_grad_ready(Bucket& /*bucket*/, size_t /*k*/) const override {}
+  void before_update(Bucket& bucket) const override {
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      bucket.storage.param_views[k].copy_(bucket.params[k].detach());
+      const at::Tensor& g = bucket.params[k].grad();
+      if (g.defined()) {
+        bucket.storage.grad_views[k].copy_(g);
+      }
+    }
+  }
+  void after_update(Bucket& bucket) const override {
+    bucket.storage.grads.zero_();
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      bucket.params[k].detach().copy_(bucket.storage.param_views[k]);
+      if (bucket.params[k].grad().defined()) {
+        bucket.params[k].mutable_grad().zero_();
+      }
+    }
+  }
+  void load_block(Bucket& bucket) const override {
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      bucket.storage.param_views[k].copy_(bucket.params[k].detach());
+    }
+  }
+  void store_block(Bucket& bucket) const override {
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      bucket.params[k].detach().copy_(bucket.storage.param_views[k]);
+    }
+  }
+};
+
+// Reorders the parameters of `spec` stably by key and recomputes the offsets.
+void order_within(BucketSpec& spec, const std::vector<at::Tensor>& params,
+                  const std::vector<std::string>& names, const LayoutKey& key) {
+  std::vector<std::pair<int, size_t>> keyed;
+  for (size_t i : spec.params) {
+    keyed.emplace_back(key(names[i], params[i]), i);
+  }
+  std::stable_sort(keyed.begin(), keyed.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  int64_t offset = 0;
+  for (size_t k = 0; k < keyed.size(); ++k) {
+    spec.params[k] = keyed[k].second;
+    spec.offsets[k] = offset;
+    offset += align_numel(params[keyed[k].second].numel());
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<ParamBinding> make_param_binding(bool as_view) {
+  if (as_view) {
+    return std::make_unique<ViewBinding>();
+  }
+  return std::make_unique<CopyBinding>();
+}
+
+int default_layout_key(const std::string& name, const at::Tensor& param) {
+  return optim::default_weight_decay(name, param) ? 0 : 1;
+}
+
+void BucketSet::build(const std::vector<size_t>& order, const std::vector<at::Tensor>& params,
+                      const std::vector<std::string>& names, const ParamBinding& binding,
+                      const BucketSetOptions& options) {
+  DECENT_DP_CHECK_ARG(buckets_.empty(), "BucketSet::build: the buckets exist already");
+  std::vector<BucketEntry> entries;
+  for (size_t i : order) {
+    entries.push_back({i, params[i].numel(), params[i].scalar_type(), params[i].device()});
+  }
+  const auto cap = static_cast<int64_t>(options.bucket_cap_mb * (1 << 20));
+  auto specs = plan_buckets(entries, std::max<int64_t>(cap, 1));
+  at::NoGradGuard no_grad;
+  bucket_of_.assign(params.size(), kNone);
+  position_of_.assign(params.size(), kNone);
+  buckets_.resize(specs.size());
+  for (size_t b = 0; b < specs.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    bucket.index = b;
+    bucket.spec = std::move(specs[b]);
+    if (options.layout_key) {
+      order_within(bucket.spec, params, names, options.layout_key);
+    }
+    for (size_t k = 0; k < bucket.spec.params.size(); ++k) {
+      const size_t i = bucket.spec.params[k];
+      bucket.params.push_back(params[i]);
+      bucket.names.push_back(names[i]);
+      bucket_of_[i] = b;
+      position_of_[i] = k;
+    }
+    bucket.storage = make_bucket_storage(bucket.spec, bucket.params, binding.as_view(),
+                                         options.bind_grads, options.allocate);
+    bucket.optimizer_params = binding.make_optimizer_params(bucket);
+  }
+}
+
+void BucketSet::attach_optimizers(const optim::OptimFn& optim_fn,
+                                  const optim::LrSchedulerFn& scheduler_fn) {
+  for (Bucket& bucket : buckets_) {
+    const size_t b = bucket.index;
+    optim::NamedParams named;
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      named.emplace_back(bucket.names[k], bucket.optimizer_params[k]);
+    }
+    bucket.optimizer = optim_fn(named);
+    DECENT_DP_CHECK_ARG(bucket.optimizer != nullptr,
+                        "the optimizer factory returned null for bucket ", b);
+    // The optimizer must step exactly this bucket's tensors.
+    size_t covered = 0;
+    for (const auto& group : bucket.optimizer->param_groups()) {
+      for (const auto& p : group.params()) {
+        const bool ours =
+            std::any_of(bucket.optimizer_params.begin(), bucket.optimizer_params.end(),
+                        [&](const at::Tensor& q) { return q.is_same(p); });
+        DECENT_DP_CHECK_ARG(ours,
+                            "the optimizer factory returned an optimizer over tensors "
+                            "that are not the parameters it was given (bucket ",
+                            b, ")");
+        ++covered;
+      }
+    }
+    DECENT_DP_CHECK_ARG(covered == bucket.optimizer_params.size(),
+                        "the optimizer factory returned an optimizer over ", covered,
+                        " tensors for bucket ", b, ", expected its ",
+                        bucket.optimizer_params.size(), " parameters");
+    if (scheduler_fn) {
+      bucket.scheduler = scheduler_fn(*bucket.optimizer);
+      DECENT_DP_CHECK_ARG(bucket.scheduler != nullptr,
+                          "the scheduler factory returned null for bucket ", b);
+    }
+  }
+}
+
+Bucket& BucketSet::at(size_t b) {
+  DECENT_DP_CHECK_ARG(b < buckets_.size(), "bucket index must be < ", buckets_.size(), ", got ", b);
+  return buckets_[b];
+}
+
+const Bucket& BucketSet::at(size_t b) const {
+  DECENT_DP_CHECK_ARG(b < buckets_.size(), "bucket index must be < ", buckets_.size(), ", got ", b);
+  return buckets_[b];
+}
+
+std::vector<size_t> BucketSet::sizes() const {
+  std::vector<size_t> out;
+  for (const auto& b : buckets_) {
+    out.push_back(b.params.size());
+  }
+  return out;
+}
+
+void update_bucket(Bucket& bucket, const ParamBinding& binding, double grad_clip_norm) {
+  if (grad_clip_norm > 0) {
+    const double norm = bucket.storage.grads.norm().item<double>();
+    const double coef = grad_clip_norm / (norm + 1e-6);
+    if (coef < 1.0) {
+      bucket.storage.grads.mul_(coef);
+    }
+  }
+  bucket.optimizer->step();
+  if (bucket.scheduler) {
+    bucket.scheduler->step();
+  }
+  binding.after_update(bucket);
+}
+
+}  // namespace decent_dp

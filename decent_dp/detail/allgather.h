@@ -1,0 +1,84 @@
+// Note [group all-gather]
+// Every member of a group receives every member's block: the transport of the exchanges
+// that need each peer's own values rather than their sum (robust aggregators such as the
+// median or the trimmed mean; compressed payloads, which cannot be summed on the way).
+// Member m's block lands at bytes [m * n, (m + 1) * n) of every member's output.
+//
+// Two transports, chosen like the all-reduce's (Note [shared-memory transport]):
+//  - point-to-point: each member posts one receive from and one send to every other member,
+//    all at once (a neighbour exchange; for the two-member groups of ring and exp it is a
+//    single swap); messages above INT_MAX bytes are split;
+//  - shared memory, for groups inside one node whose inputs lie in allocate()d segments:
+//    members exchange descriptors of their inputs, copy every peer's block straight out of
+//    its segment, and tell each other "copied"; the operation completes once every peer has
+//    copied this member's block, so no input changes while someone reads it. When any
+//    member's input is private, all members take the point-to-point path.
+// Each member moves (k - 1) n bytes each way on either path.
+#pragma once
+
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace decent_dp {
+namespace detail {
+
+class PeerSegment;
+class PeerSegmentCache;
+
+// Posts, for every member m != index of the group on `comm`, a receive of `bytes` bytes
+// from m into recv_base + m * recv_stride and a send of `bytes` bytes at `send` to m, all
+// on `tag`; messages over INT_MAX bytes are split. Returns the requests.
+std::vector<MPI_Request> post_member_exchange(const void* send, void* recv_base, size_t recv_stride,
+                                              size_t bytes, MPI_Comm comm, int index, int size,
+                                              int tag);
+
+class GroupAllgather {
+ public:
+  // `input`: this member's `bytes` bytes; `output`: size * bytes bytes (this member's own
+  // block is copied there too; `input` may already be that block).
+  GroupAllgather(const char* input, char* output, size_t bytes, MPI_Comm comm, int index, int size,
+                 int tag, bool try_shared, PeerSegmentCache& peers);
+  ~GroupAllgather();
+
+  // As RingAllreduce::next().
+  std::vector<MPI_Request> next();
+  bool used_shared_memory() const { return shared_; }
+  int64_t bytes_sent() const { return static_cast<int64_t>(bytes_) * (size_ - 1); }
+  int64_t bytes_received() const { return bytes_sent(); }
+
+ private:
+  struct Descriptor {
+    char name[128];
+    uint64_t offset;
+    uint64_t bytes;
+    int32_t shared;
+  };
+  std::vector<MPI_Request> point_to_point();
+
+  const char* input_;
+  char* output_;
+  size_t bytes_;
+  MPI_Comm comm_;
+  int index_;
+  int size_;
+  int tag_;
+  bool try_shared_;
+  PeerSegmentCache& peers_;
+  int stage_ = 0;
+  bool shared_ = false;
+  bool p2p_ = false;
+  Descriptor mine_{};
+  std::vector<Descriptor> theirs_;
+  std::vector<int32_t> signal_in_;
+  int32_t signal_out_ = 1;
+  std::vector<std::shared_ptr<PeerSegment>> segments_;
+};
+
+}  // namespace detail
+}  // namespace decent_dp

@@ -1,0 +1,227 @@
+#include "decent_dp/exchange.h"
+
+#include <ATen/ops/empty.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <chrono>
+#include <map>
+
+#include "decent_dp/errors.h"
+#include "decent_dp/logging.h"
+
+namespace decent_dp {
+namespace {
+
+// The receive buffers of the gather path, per group size, and what the bucket sent.
+struct GatherState final : ExchangeState {
+  at::Tensor payload;                      // the encoded block (codec only)
+  std::map<int64_t, at::Tensor> received;  // k * payload elements
+  std::map<int64_t, at::Tensor> decoded;   // k x n (codec only)
+  at::Tensor mixed;                        // n
+  int64_t launched_update = 0;
+};
+
+}  // namespace
+
+// ---- Exchange ----
+
+void Exchange::timed_wait(Work& work) {
+  if (work.is_completed()) {
+    work.wait();  // rethrows a stored error
+    return;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  work.wait();
+  wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Exchange::wait(Bucket& bucket) {
+  if (bucket.work) {
+    timed_wait(*bucket.work);
+  }
+}
+
+void Exchange::drain(BucketSet& buckets, std::chrono::milliseconds timeout) noexcept {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  size_t abandoned = 0;
+  for (Bucket& b : buckets) {
+    if (!b.work || b.work->is_completed()) {
+      continue;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      ++abandoned;
+      continue;
+    }
+    try {
+      b.work->wait(left);
+    } catch (const std::exception& e) {
+      DECENT_DP_LOG_WARN(detail::cat(b.work->description(), " failed during shutdown: ", e.what()));
+    }
+  }
+  if (abandoned > 0) {
+    DECENT_DP_LOG_WARN(detail::cat(abandoned,
+                                   " more exchange(s) still in flight after the shutdown "
+                                   "deadline of ",
+                                   timeout.count(), " ms (DECENT_DP_SHUTDOWN_TIMEOUT_MS)"));
+  }
+}
+
+// ---- all-reduce of gradients ----
+
+AllReduceExchange::AllReduceExchange(std::shared_ptr<Communicator> comm) : comm_(std::move(comm)) {}
+
+void AllReduceExchange::on_bucket_ready(Bucket& bucket, int64_t update,
+                                        const UpdateFn& /*take_update*/) {
+  launch(bucket, update);
+}
+
+void AllReduceExchange::launch(Bucket& bucket, int64_t /*update*/) {
+  bucket.work = comm_->allreduce(bucket.storage.grads, bucket.storage.grads,
+                                 AllreduceOptions{ReduceOp::kAvg, {}, {}});
+  awaiting_.push_back(&bucket);
+}
+
+void AllReduceExchange::apply(Bucket& bucket, int64_t /*update*/) {
+  wait(bucket);
+  bucket.work.reset();
+}
+
+void AllReduceExchange::progress(bool block, const UpdateFn& take_update) {
+  at::NoGradGuard no_grad;
+  while (!awaiting_.empty()) {
+    Bucket& bucket = *awaiting_.front();
+    if (!block && !bucket.work->is_completed()) {
+      break;
+    }
+    apply(bucket, 0);
+    awaiting_.pop_front();
+    take_update(bucket);
+  }
+}
+
+// ---- gossip ----
+
+GossipExchange::GossipExchange(std::shared_ptr<Communicator> comm,
+                               const topology::Topology& topology, ExchangeStages stages)
+    : comm_(std::move(comm)), topology_(topology), stages_(std::move(stages)) {
+  if (stages_.codec && !stages_.aggregator) {
+    stages_.aggregator = std::make_shared<MeanAggregator>();
+  }
+}
+
+void GossipExchange::set_adaptive_factor(double a) {
+  DECENT_DP_CHECK_ARG(a >= 0.0 && a <= 1.0, "set_adaptive_factor: a must be in [0, 1], got ", a);
+  adaptive_factor_ = a;
+}
+
+void GossipExchange::on_bucket_ready(Bucket& bucket, int64_t update, const UpdateFn& take_update) {
+  apply(bucket, update);
+  take_update(bucket);
+  launch(bucket, update);
+}
+
+void GossipExchange::apply(Bucket& bucket, int64_t update) {
+  if (!bucket.work) {
+    return;
+  }
+  timed_wait(*bucket.work);
+  if (stages_.gathers()) {
+    apply_gather(bucket, update);
+  } else {
+    // The communication block holds the group mean (Note [block swap]).
+    mix_group_mean(bucket.storage, bucket.optimizer_params, *bucket.group, adaptive_factor_);
+  }
+  bucket.work.reset();
+}
+
+void GossipExchange::launch(Bucket& bucket, int64_t update) {
+  if (comm_->size() == 1) {
+    return;
+  }
+  const topology::Group& group = topology_.group_of(comm_->rank(), update);
+  bucket.group = &group;
+  if (stages_.gathers()) {
+    launch_gather(bucket, group, update);
+    return;
+  }
+  // Out of place: the parameter block is the input (it does not change until this bucket's
+  // next update, which first waits for the exchange), the communication block the output.
+  bucket.work = comm_->allreduce(bucket.storage.params, bucket.storage.comm,
+                                 AllreduceOptions{ReduceOp::kAvg, group.ranks, {}});
+}
+
+void GossipExchange::launch_gather(Bucket& bucket, const topology::Group& group, int64_t update) {
+  if (!bucket.exchange_state) {
+    bucket.exchange_state = std::make_unique<GatherState>();
+  }
+  auto& state = static_cast<GatherState&>(*bucket.exchange_state);
+  const int64_t k = group.size();
+  const int64_t n = bucket.spec.numel;
+  const auto dtype = bucket.spec.dtype;
+  at::Tensor payload = bucket.storage.params;
+  if (stages_.codec) {
+    const int64_t np = stages_.codec->payload_numel(n, dtype);
+    const auto pdtype = stages_.codec->payload_dtype(dtype);
+    if (!state.payload.defined()) {
+      state.payload =
+          comm_->allocate(np, at::TensorOptions().dtype(pdtype).device(bucket.spec.device));
+    }
+    stages_.codec->encode(bucket.storage.params, state.payload,
+                          CodecContext{bucket.index, update, comm_->rank()});
+    payload = state.payload;
+  }
+  at::Tensor& received = state.received[k];
+  if (!received.defined()) {
+    received = comm_->allocate(
+        k * payload.numel(),
+        at::TensorOptions().dtype(payload.scalar_type()).device(bucket.spec.device));
+  }
+  state.launched_update = update;
+  bucket.work = comm_->allgather(received, payload, AllgatherOptions{group.ranks, {}});
+}
+
+void GossipExchange::apply_gather(Bucket& bucket, int64_t /*update*/) {
+  auto& state = static_cast<GatherState&>(*bucket.exchange_state);
+  const topology::Group& group = *bucket.group;
+  const int64_t k = group.size();
+  const int64_t n = bucket.spec.numel;
+  const int rank = comm_->rank();
+  int64_t self = 0;
+  while (group.ranks[self] != rank) {
+    ++self;
+  }
+  const at::Tensor x = bucket.storage.params;
+  at::Tensor received = state.received.at(k);
+  at::Tensor rows;
+  if (stages_.codec) {
+    at::Tensor& decoded = state.decoded[k];
+    if (!decoded.defined()) {
+      decoded = at::empty({k, n}, x.options());
+    }
+    const at::Tensor payloads = received.view({k, -1});
+    for (int64_t m = 0; m < k; ++m) {
+      if (m == self) {
+        decoded.select(0, m).copy_(x);  // this rank's own exact block
+      } else {
+        stages_.codec->decode(payloads.select(0, m), decoded.select(0, m),
+                              CodecContext{bucket.index, state.launched_update, group.ranks[m]});
+      }
+    }
+    rows = decoded;
+  } else {
+    rows = received.view({k, n});  // row `self` is x itself (unchanged since the launch)
+  }
+  if (!state.mixed.defined()) {
+    state.mixed = at::empty({n}, x.options());
+  }
+  stages_.aggregator->aggregate(rows, self, group, state.mixed);
+  if (adaptive_factor_ == 1.0) {
+    x.copy_(state.mixed);
+  } else if (adaptive_factor_ != 0.0) {
+    x.lerp_(state.mixed, adaptive_factor_);
+  }
+}
+
+}  // namespace decent_dp

@@ -1,0 +1,83 @@
+// Note [exchange seam]
+// The gossip exchange of one bucket is encode -> transport -> aggregate -> mix:
+//
+//   encode     what this rank sends for its parameter block x (a Codec; identity when none)
+//   transport  the group all-reduce to the mean (the fast path, taken when there is neither a
+//              codec nor an aggregator), or the group all-gather of every member's payload
+//              (Note [group all-gather])
+//   aggregate  the members' decoded blocks -> this rank's mixed value mix(x) (an Aggregator;
+//              this rank's own row is its exact x, never its encoded payload)
+//   mix        x <- (1 - a) x + a mix(x), a the adaptive factor (spec §2)
+//
+// A codec or an aggregator is one class; the wrappers never branch on which one runs.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "topology/topology.h"
+
+namespace decent_dp {
+
+// Where a codec runs: which bucket, which update, which rank.
+struct CodecContext {
+  size_t bucket = 0;
+  int64_t update = 0;
+  int rank = 0;  // the rank whose payload this is
+};
+
+class Codec {
+ public:
+  virtual ~Codec() = default;
+  virtual std::string name() const = 0;
+  // The payload of a block of `numel` elements of `dtype`: its element count and dtype
+  // (the same for every rank and update).
+  virtual int64_t payload_numel(int64_t numel, c10::ScalarType dtype) const = 0;
+  virtual c10::ScalarType payload_dtype(c10::ScalarType dtype) const = 0;
+  // Writes what this rank sends for `x` into `payload` (1-D, payload_numel elements).
+  virtual void encode(const at::Tensor& x, const at::Tensor& payload, const CodecContext& ctx) = 0;
+  // Writes the block that `payload` (sent by ctx.rank) stands for into `out` (like x).
+  virtual void decode(const at::Tensor& payload, const at::Tensor& out,
+                      const CodecContext& ctx) = 0;
+};
+
+class Aggregator {
+ public:
+  virtual ~Aggregator() = default;
+  virtual std::string name() const = 0;
+  // `rows`: k x n, row m the block of the group's m-th member (ascending ranks), row
+  // `self` this rank's own x. Writes mix(x) into `out` (n elements).
+  virtual void aggregate(const at::Tensor& rows, int64_t self, const topology::Group& group,
+                         const at::Tensor& out) = 0;
+};
+
+// mix(x) = w x + (1 - w) / (k - 1) * sum of the others' rows: the spec's weighted mean, the
+// same value as the all-reduce fast path (up to float rounding).
+class MeanAggregator final : public Aggregator {
+ public:
+  std::string name() const override { return "mean"; }
+  void aggregate(const at::Tensor& rows, int64_t self, const topology::Group& group,
+                 const at::Tensor& out) override;
+};
+
+// The coordinate-wise median of the k rows (this rank's included); for even k the mean of
+// the two middle values. Robust to fewer than k / 2 arbitrary rows.
+class MedianAggregator final : public Aggregator {
+ public:
+  std::string name() const override { return "median"; }
+  void aggregate(const at::Tensor& rows, int64_t self, const topology::Group& group,
+                 const at::Tensor& out) override;
+};
+
+// The stages of the gossip exchange; both null: the all-reduce fast path.
+struct ExchangeStages {
+  std::shared_ptr<Codec> codec;
+  std::shared_ptr<Aggregator> aggregator;  // null with a codec: MeanAggregator
+  bool gathers() const { return codec != nullptr || aggregator != nullptr; }
+};
+
+}  // namespace decent_dp
