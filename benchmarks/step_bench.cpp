@@ -156,6 +156,8 @@ int main(int argc, char** argv) {
     std::vector<double> ms;
     std::vector<double> main_cpu_ms;   // CPU time of the calling thread
     std::vector<double> other_cpu_ms;  // CPU time of threads other than the caller's
+    Case(std::string n, std::function<void()> s, std::function<void()> f, std::vector<double> m)
+        : name(std::move(n)), step(std::move(s)), finish(std::move(f)), ms(std::move(m)) {}
   };
   std::vector<Case> cases;
   std::vector<std::shared_ptr<void>> keep;  // models, optimizers and wrappers of the cases

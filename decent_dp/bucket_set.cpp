@@ -51,6 +51,7 @@ class ViewBinding final : public ParamBinding {
       p.mutable_grad() = at::Tensor();
     }
   }
+  void discard_grads(Bucket& bucket) const override { after_update(bucket); }
   void load_block(Bucket& /*bucket*/) const override {}
   void store_block(Bucket& /*bucket*/) const override {}
 };
@@ -90,6 +91,14 @@ class CopyBinding final : public ParamBinding {
       bucket.params[k].detach().copy_(bucket.storage.param_views[k]);
       if (bucket.params[k].grad().defined()) {
         bucket.params[k].mutable_grad().zero_();
+      }
+    }
+  }
+  void discard_grads(Bucket& bucket) const override {
+    bucket.storage.grads.zero_();
+    for (auto& p : bucket.params) {
+      if (p.grad().defined()) {
+        p.mutable_grad().zero_();
       }
     }
   }

@@ -64,6 +64,8 @@ class ParamBinding {
   virtual void before_update(Bucket& bucket) const = 0;
   // After the optimizer's step: gradients released or zeroed, the model sees the block.
   virtual void after_update(Bucket& bucket) const = 0;
+  // Drops the gradients of an abandoned backward (released or zeroed).
+  virtual void discard_grads(Bucket& bucket) const = 0;
   // Outside the update (global averaging): the parameter block <- the model, and back.
   virtual void load_block(Bucket& bucket) const = 0;
   virtual void store_block(Bucket& bucket) const = 0;

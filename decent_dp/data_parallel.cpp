@@ -108,6 +108,18 @@ DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
       ++updates_;
     }
   };
+  handlers.discard_gradients = [this] {
+    at::NoGradGuard no_grad;
+    if (buckets_.empty()) {
+      for (auto& p : params_) {
+        p.mutable_grad() = at::Tensor();
+      }
+      return;
+    }
+    for (Bucket& b : buckets_) {
+      binding_->discard_grads(b);
+    }
+  };
   handlers.stray_backward_is_error = [this] { return !accumulate_ && is_training(); };
   ready_ = std::make_unique<GradReady>(params_, hooked, names_, who, std::move(handlers));
   if (control_->rank() == 0) {

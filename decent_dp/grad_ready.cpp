@@ -59,6 +59,7 @@ void GradReady::arm() {
     if (!have_buckets_) {
       first_order_.clear();
     }
+    handlers_.discard_gradients();
     callback_queued_ = false;
     reset_counting();
   }

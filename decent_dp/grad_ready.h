@@ -36,6 +36,9 @@ class GradReady {
     std::function<void(size_t bucket)> on_bucket;
     // After every hook, and after the last bucket at the end of backward (block = true).
     std::function<void(bool block)> progress;
+    // A backward that raised before any bucket's update is abandoned: drop the gradients
+    // it accumulated.
+    std::function<void()> discard_gradients;
     // A gradient arrived while not armed: true when that is an error (a second backward
     // in one step) rather than gradient accumulation.
     std::function<bool()> stray_backward_is_error;

@@ -92,10 +92,29 @@ class Simulator {
         const double k = g.size();
         auto params = models_[i]->parameters();
         for (size_t t = 0; t < params.size(); ++t) {
-          at::Tensor mix = snapshot[i][t] * g.self_weight;
-          for (int j : g.ranks) {
-            if (j != i)
-              mix += snapshot[j][t] * ((1 - g.self_weight) / (k - 1));
+          // What replica i receives of its peers: their exact values, or rounded through
+          // the payload dtype of a codec.
+          auto received = [&](int j) {
+            return j == i || payload_dtype_ == at::kFloat
+                       ? snapshot[j][t]
+                       : snapshot[j][t].to(payload_dtype_).to(snapshot[j][t].scalar_type());
+          };
+          at::Tensor mix;
+          if (median_) {
+            // Coordinate-wise median of the k members (own value included); for even k the
+            // mean of the two middle values.
+            std::vector<at::Tensor> rows;
+            for (int j : g.ranks)
+              rows.push_back(received(j));
+            auto sorted = std::get<0>(torch::stack(rows).sort(0));
+            const int64_t kk = g.size();
+            mix = kk % 2 == 1 ? sorted[kk / 2].clone() : (sorted[kk / 2 - 1] + sorted[kk / 2]) / 2;
+          } else {
+            mix = snapshot[i][t] * g.self_weight;
+            for (int j : g.ranks) {
+              if (j != i)
+                mix += received(j) * ((1 - g.self_weight) / (k - 1));
+            }
           }
           params[t].copy_(snapshot[i][t] * (1 - adaptive_) + mix * adaptive_);
         }
@@ -128,6 +147,10 @@ class Simulator {
   void set_adaptive_factor(double a) { adaptive_ = a; }
   // Clips every replica's whole gradient (the wrapper with a single bucket).
   void set_clip_norm(double c) { clip_norm_ = c; }
+  // Mixing by the coordinate-wise median of the group instead of the weighted mean.
+  void set_median(bool on) { median_ = on; }
+  // Peers' values arrive rounded to `dtype` (a codec that sends that dtype).
+  void set_payload_dtype(at::ScalarType dtype) { payload_dtype_ = dtype; }
 
  private:
   std::unique_ptr<topology::Topology> topo_;
@@ -138,6 +161,8 @@ class Simulator {
   int64_t updates_ = 0;
   double adaptive_ = 1.0;
   double clip_norm_ = 0.0;
+  bool median_ = false;
+  at::ScalarType payload_dtype_ = at::kFloat;
 };
 
 }  // namespace testing

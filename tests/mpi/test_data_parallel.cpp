@@ -6,6 +6,7 @@
 #include "decent_dp/distributed_data_parallel.h"
 #include "decent_dp/env.h"
 #include "mpi_test_util.h"
+#include "optim/adam.h"
 #include "optim/factories.h"
 #include "simulator.h"
 
@@ -48,10 +49,6 @@ Batch batch_for(bool cnn, int rank, int step, int64_t size = 6) {
   return {at::randn({size, 8}, gen), at::randn({size, 4}, gen)};
 }
 
-at::Tensor loss_of(torch::nn::Sequential& model, const Batch& b) {
-  return torch::mse_loss(model->forward(b.x), b.y);
-}
-
 double relative_error(const at::Tensor& a, const at::Tensor& b) {
   const double ref = b.norm().item<double>();
   const double diff = (a - b).norm().item<double>();
@@ -66,6 +63,24 @@ void check_matches(torch::nn::Module& mine, torch::nn::Module& ref, double rtol)
     INFO("rank " << comm().rank() << " parameter " << p.key());
     CHECK(relative_error(p.value(), b[p.key()]) <= rtol);
   }
+}
+
+optim::AdamWFactoryOptions adamw_lr(double lr) {
+  optim::AdamWFactoryOptions o;
+  o.lr = lr;
+  return o;
+}
+
+optim::AdamFactoryOptions adam_lr(double lr) {
+  optim::AdamFactoryOptions o;
+  o.lr = lr;
+  return o;
+}
+
+optim::SgdFactoryOptions sgd_lr(double lr) {
+  optim::SgdFactoryOptions o;
+  o.lr = lr;
+  return o;
 }
 
 bool power_of_two(int n) {
@@ -105,7 +120,7 @@ TEST_CASE("decentralized training matches the simulator for every topology", "[d
   for (const auto& [name, lws] : topologies_for(n)) {
     for (bool cnn : {false, true}) {
       INFO("rank " << rank << " topology " << name << (cnn ? " cnn" : " mlp"));
-      auto factory = optim::adamw(optim::AdamWFactoryOptions{1e-2});
+      auto factory = optim::adamw(adamw_lr(1e-2));
       auto sched = optim::cosine_with_warmup(20, 3);
       auto make = [cnn] { return cnn ? make_cnn() : make_mlp(); };
       auto run = [&] {
@@ -276,7 +291,7 @@ TEST_CASE("classic all-reduce equals one process on the union of the batches", "
 
 TEST_CASE("four micro-batches under no_sync equal one big-batch update", "[ddp]") {
   const int rank = comm().rank();
-  auto factory = optim::adam(optim::AdamFactoryOptions{1e-2});
+  auto factory = optim::adam(adam_lr(1e-2));
   for (bool classic : {false, true}) {
     INFO("rank " << rank << (classic ? " classic" : " gossip"));
     auto big = make_mlp();
@@ -325,7 +340,7 @@ TEST_CASE("global_avg, revert and consensus distance", "[ddp]") {
   const int n = comm().size();
   const int rank = comm().rank();
   const std::string name = n % 2 == 0 ? "ring" : "complete";
-  auto factory = optim::adamw(optim::AdamWFactoryOptions{1e-2});
+  auto factory = optim::adamw(adamw_lr(1e-2));
   auto train = [&](DecentralizedDataParallel<torch::nn::Sequential>& m, int from, int to) {
     for (int step = from; step < to; ++step) {
       auto b = batch_for(false, rank, step);
@@ -412,7 +427,7 @@ TORCH_MODULE(BranchNet);
 TEST_CASE("unused parameters: a data-dependent branch and a layer never used", "[ddp]") {
   const int n = comm().size();
   const int rank = comm().rank();
-  auto factory = optim::adam(optim::AdamFactoryOptions{1e-2});
+  auto factory = optim::adam(adam_lr(1e-2));
   // Step 0 uses `skip` on every rank (x[0][0] forced positive), so it is bucketed.
   auto input = [](int r, int s) {
     auto b = batch_for(false, r, s);
@@ -535,4 +550,219 @@ TEST_CASE("the wrapper is the module: names, parameters, buffers, train and eval
   CHECK(model.step() == 0);  // eval forwards count no step
   model.train();
   CHECK(net->is_training());
+}
+
+namespace {
+
+// A codec for the tests: sends float16, so peers receive rounded values.
+class HalfCodec final : public Codec {
+ public:
+  std::string name() const override { return "float16"; }
+  int64_t payload_numel(int64_t numel, c10::ScalarType /*dtype*/) const override { return numel; }
+  c10::ScalarType payload_dtype(c10::ScalarType /*dtype*/) const override { return at::kHalf; }
+  void encode(const at::Tensor& x, const at::Tensor& payload, const CodecContext& ctx) override {
+    CHECK(ctx.rank == comm().rank());
+    payload.copy_(x);
+    ++encoded;
+  }
+  void decode(const at::Tensor& payload, const at::Tensor& out, const CodecContext& ctx) override {
+    CHECK(ctx.rank != comm().rank());
+    out.copy_(payload);
+    ++decoded;
+  }
+  int encoded = 0;
+  int decoded = 0;
+};
+
+// Trains the MLP for `steps` steps with `o` and returns the module.
+torch::nn::Sequential train_mlp(const DataParallelOptions& o, const OptimFn& factory, int steps) {
+  auto net = make_mlp();
+  DecentralizedDataParallel<torch::nn::Sequential> model(net, o, factory, nullptr, shared_comm());
+  for (int step = 0; step < steps; ++step) {
+    auto b = batch_for(false, comm().rank(), step);
+    torch::mse_loss(model.forward(b.x), b.y).backward();
+  }
+  model.synchronize();
+  return net;
+}
+
+}  // namespace
+
+TEST_CASE("the gather exchange with the mean aggregator trains as the all-reduce path",
+          "[ddp][exchange]") {
+  const int n = comm().size();
+  auto factory = optim::adamw(adamw_lr(1e-2));
+  for (const auto& [name, lws] : topologies_for(n)) {
+    for (bool view : {true, false}) {
+      INFO("rank " << comm().rank() << " topology " << name << " view " << view);
+      auto o = small_buckets(name, lws);
+      o.param_as_bucket_view = view;
+      auto fast = train_mlp(o, factory, 12);
+      o.aggregator = std::make_shared<MeanAggregator>();
+      const auto before = comm().stats();
+      auto gathered = train_mlp(o, factory, 12);
+      const auto after = comm().stats();
+      if (n > 1) {
+        CHECK(after.p2p_allgathers + after.shared_memory_allgathers >
+              before.p2p_allgathers + before.shared_memory_allgathers);
+      }
+      check_matches(*gathered, *fast, 1e-5);
+    }
+  }
+}
+
+TEST_CASE("a median aggregator and a float16 codec match the simulator", "[ddp][exchange]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  auto factory = optim::adamw(adamw_lr(1e-2));
+  for (const auto& [name, lws] : topologies_for(n)) {
+    for (int variant = 0; variant < 3; ++variant) {  // median; float16 + mean; float16 + median
+      const bool median = variant != 1;
+      const bool half = variant != 0;
+      INFO("rank " << rank << " topology " << name << " median " << median << " float16 " << half);
+      auto o = small_buckets(name, lws);
+      if (median)
+        o.aggregator = std::make_shared<MedianAggregator>();
+      auto codec = std::make_shared<HalfCodec>();
+      if (half)
+        o.codec = codec;
+      auto net = train_mlp(o, factory, 12);
+      testing::Simulator sim([] { return make_mlp().ptr(); }, n, name, lws, factory);
+      sim.set_median(median);
+      if (half)
+        sim.set_payload_dtype(at::kHalf);
+      for (int step = 0; step < 12; ++step)
+        sim.step(mlp_loss, step);
+      check_matches(*net, sim.model(rank), 1e-5);
+      if (half && n > 1) {
+        CHECK(codec->encoded > 0);
+        CHECK(codec->decoded > 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("an exception inside backward is raised again on the next use, never misreported",
+          "[ddp][failure]") {
+  // An optimizer factory whose optimizers throw on their third step.
+  struct Throwing : torch::optim::SGD {
+    using torch::optim::SGD::SGD;
+    at::Tensor step(LossClosure closure = nullptr) override {
+      if (++count == 3)
+        throw std::runtime_error("optimizer exploded on purpose");
+      return torch::optim::SGD::step(closure);
+    }
+    int count = 0;
+  };
+  OptimFn throwing = [](const NamedParams& named) {
+    std::vector<at::Tensor> ps;
+    for (const auto& [name, p] : named)
+      ps.push_back(p);
+    return std::make_unique<Throwing>(ps, torch::optim::SGDOptions(0.1));
+  };
+  auto net = make_mlp();
+  auto o = small_buckets("complete", 1);
+  o.bucket_cap_mb = 25;  // one bucket: every rank fails at the same update
+  DecentralizedDataParallel<torch::nn::Sequential> model(net, o, throwing, nullptr, shared_comm());
+  auto b = batch_for(false, comm().rank(), 0);
+  for (int step = 0; step < 2; ++step)
+    torch::mse_loss(model.forward(b.x), b.y).backward();
+  CHECK_THROWS_WITH(torch::mse_loss(model.forward(b.x), b.y).backward(),
+                    Catch::Contains("optimizer exploded on purpose"));
+  // The next use names the original error, not "became ready twice".
+  CHECK_THROWS_WITH(model.forward(b.x), Catch::Contains("an earlier backward failed") &&
+                                            Catch::Contains("optimizer exploded on purpose"));
+  CHECK_THROWS_WITH(model.synchronize(), Catch::Contains("optimizer exploded on purpose"));
+}
+
+TEST_CASE("an exception in backward before any bucket's update leaves the wrapper usable",
+          "[ddp][failure]") {
+  // A hook on the last layer's weight throws once, on request: its bias may already have
+  // its gradient (the backward has started), but no bucket is complete yet. 512-byte buckets
+  // hold {fc2.bias, fc2.weight, fc1.bias} and {fc1.weight}.
+  auto factory = optim::sgd(sgd_lr(0.1));
+  bool fail = false;
+  auto run = [&](bool fail_once) {
+    auto net = make_mlp();
+    DecentralizedDataParallel<torch::nn::Sequential> model(net, small_buckets("complete", 1),
+                                                           factory, nullptr, shared_comm());
+    net[2]->named_parameters()["weight"].register_hook([&fail](at::Tensor g) {
+      if (fail)
+        throw std::runtime_error("hook failed on purpose");
+      return g;
+    });
+    for (int step = 0; step < 6; ++step) {
+      auto b = batch_for(false, comm().rank(), step);
+      if (fail_once && step == 3) {
+        fail = true;
+        CHECK_THROWS_WITH(torch::mse_loss(model.forward(b.x), b.y).backward(),
+                          Catch::Contains("hook failed on purpose"));
+        fail = false;
+      }
+      torch::mse_loss(model.forward(b.x), b.y).backward();
+    }
+    model.synchronize();
+    CHECK(model.updates() == 6);
+    return net;
+  };
+  auto clean = run(false);
+  auto recovered = run(true);
+  check_matches(*recovered, *clean, 0.0);
+}
+
+TEST_CASE("an exception after a bucket's update is raised again on the next use",
+          "[ddp][failure]") {
+  auto factory = optim::sgd(sgd_lr(0.1));
+  bool fail = false;
+  auto net = make_mlp();
+  DecentralizedDataParallel<torch::nn::Sequential> model(net, small_buckets("complete", 1), factory,
+                                                         nullptr, shared_comm());
+  // fc1.weight is alone in the last bucket: the first bucket has been updated and launched
+  // its exchange when its hook throws, on every rank alike.
+  net[0]->named_parameters()["weight"].register_hook([&fail](at::Tensor g) {
+    if (fail)
+      throw std::runtime_error("late hook failed on purpose");
+    return g;
+  });
+  auto b = batch_for(false, comm().rank(), 0);
+  for (int step = 0; step < 2; ++step)
+    torch::mse_loss(model.forward(b.x), b.y).backward();
+  fail = true;
+  CHECK_THROWS_WITH(torch::mse_loss(model.forward(b.x), b.y).backward(),
+                    Catch::Contains("late hook failed on purpose"));
+  fail = false;
+  CHECK_THROWS_WITH(model.forward(b.x), Catch::Contains("an earlier backward failed") &&
+                                            Catch::Contains("1 of 2 buckets"));
+  CHECK_THROWS_WITH(model.global_avg(), Catch::Contains("an earlier backward failed"));
+}
+
+TEST_CASE("the library's factories step each bucket flat: weights and biases in two runs",
+          "[ddp][flat]") {
+  // Conv, norm and linear layers interleave decayed and undecayed parameters in
+  // gradient-ready order; the default bucket layout puts each group in one run.
+  torch::manual_seed(5);
+  torch::nn::Sequential net(torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 8, 3).padding(1)),
+                            torch::nn::BatchNorm2d(8), torch::nn::ReLU(),
+                            torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 8, 3).padding(1)),
+                            torch::nn::BatchNorm2d(8), torch::nn::ReLU(), torch::nn::Flatten(),
+                            torch::nn::Linear(8 * 5 * 5, 3));
+  DataParallelOptions o;
+  o.topology = comm().size() % 2 == 0 ? "ring" : "complete";
+  for (bool default_layout : {true, false}) {
+    auto copy = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(net->clone());
+    torch::nn::Sequential m(copy);
+    if (!default_layout)
+      o.bucket_layout_key = nullptr;
+    DecentralizedDataParallel<torch::nn::Sequential> model(m, o, optim::adamw(), nullptr,
+                                                           shared_comm());
+    for (int step = 0; step < 2; ++step) {
+      auto b = batch_for(true, comm().rank(), step);
+      torch::mse_loss(model.forward(b.x), b.y).backward();
+    }
+    REQUIRE(model.bucket_count() == 1);
+    auto* adam = dynamic_cast<optim::AdamW*>(&model.optimizer(0));
+    REQUIRE(adam != nullptr);
+    INFO("default layout " << default_layout);
+    CHECK(adam->last_flat_groups() == (default_layout ? 2 : 0));
+  }
 }

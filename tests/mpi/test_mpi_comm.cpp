@@ -559,3 +559,114 @@ TEST_CASE("shared-memory segments are released with their tensors", "[mpi]") {
   c.allreduce(u, all, ReduceOp::kSum)->wait();
   CHECK_FALSE(mapped(first_name));
 }
+
+namespace {
+
+// Member m of `ranks` contributes its world rank * 100 + i % 97 at element i (exact in float16);
+// the gathered output must hold every member's block in group order, bit for bit.
+int64_t count_wrong_gather(const at::Tensor& out, const std::vector<int>& ranks, int64_t n) {
+  auto o = out.to(at::kDouble);
+  const double* p = o.data_ptr<double>();
+  int64_t wrong = 0;
+  for (size_t m = 0; m < ranks.size(); ++m) {
+    for (int64_t i = 0; i < n; ++i) {
+      wrong += p[m * n + i] != static_cast<double>(ranks[m] * 100 + i % 97) ? 1 : 0;
+    }
+  }
+  return wrong;
+}
+
+at::Tensor gather_input(Communicator& c, int64_t n, at::ScalarType dtype, bool shared) {
+  auto base = at::arange(n, at::kDouble).remainder(97).add(c.rank() * 100).to(dtype);
+  return shared ? shared_copy(c, base) : base;
+}
+
+// Since `before`, this rank sent and received `expected` all-gather payload bytes.
+void check_gather_traffic(MpiCommunicator& c, const MpiStats& before, int64_t expected) {
+  const auto now = c.stats();
+  INFO("rank " << c.rank() << ": all-gather bytes sent and received");
+  CHECK(static_cast<int64_t>(now.allgather_bytes_sent - before.allgather_bytes_sent) == expected);
+  CHECK(static_cast<int64_t>(now.allgather_bytes_received - before.allgather_bytes_received) ==
+        expected);
+}
+
+}  // namespace
+
+TEST_CASE("group all-gather: every member's block in order, both transports, every slot",
+          "[mpi][allgather]") {
+  for (int shared : {1, 0}) {
+    MpiCommunicator c(shm_options(shared, 0));
+    const int n = c.size();
+    for (const auto& topo : topologies_for(n)) {
+      c.make_groups(topo->distinct_groups());
+      for (int s = 0; s < topo->period(); ++s) {
+        const auto& group = topo->group_of(c.rank(), s);
+        for (auto dtype : {at::kFloat, at::kHalf, at::kLong}) {
+          for (int64_t numel : {int64_t{0}, int64_t{1}, int64_t{4099}}) {
+            for (bool shared_input : {true, false}) {
+              INFO("rank " << c.rank() << " shm " << shared << " topology " << topo->name()
+                           << " slot " << s << " group " << ranks_to_string(group.ranks)
+                           << " dtype " << dtype << " numel " << numel << " shared input "
+                           << shared_input);
+              const auto in = gather_input(c, numel, dtype, shared_input);
+              const auto before_in = in.clone();
+              auto out = at::full({numel * group.size()}, -1, at::TensorOptions().dtype(dtype));
+              const auto stats_before = c.stats();
+              c.allgather(out, in, AllgatherOptions{group.ranks, {}})->wait();
+              CHECK(count_wrong_gather(out, group.ranks, numel) == 0);
+              CHECK(in.equal(before_in));
+              // (k - 1) blocks each way, on either transport.
+              check_gather_traffic(c, stats_before, (group.size() - 1) * numel * in.element_size());
+            }
+          }
+        }
+      }
+    }
+    // Shared inputs on one node went through shared memory (or none: one rank per group).
+    const auto stats = c.stats();
+    if (shared == 0) {
+      CHECK(stats.shared_memory_allgathers == 0);
+    } else if (n > 1 && c.local_size() == n) {
+      CHECK(stats.shared_memory_allgathers > 0);
+    }
+  }
+}
+
+TEST_CASE("group all-gather: many in flight on overlapping groups, and bad input",
+          "[mpi][allgather]") {
+  auto& c = comm();
+  const int n = c.size();
+  std::vector<std::vector<int>> groups;
+  for (const auto& topo : topologies_for(n)) {
+    for (const auto& g : topo->distinct_groups()) {
+      groups.push_back(g);
+    }
+  }
+  c.make_groups(groups);
+  std::vector<std::pair<std::vector<int>, at::Tensor>> outs;
+  std::vector<std::shared_ptr<Work>> works;
+  for (const auto& topo : topologies_for(n)) {
+    for (int s = 0; s < topo->period(); ++s) {
+      const auto& group = topo->group_of(c.rank(), s);
+      auto in = gather_input(c, 333, at::kFloat, false);
+      auto out = at::empty({333 * group.size()});
+      works.push_back(c.allgather(out, in, AllgatherOptions{group.ranks, {}}));
+      outs.emplace_back(group.ranks, out);
+    }
+  }
+  for (size_t i = works.size(); i-- > 0;) {
+    works[i]->wait();  // waited in reverse order
+    CHECK(count_wrong_gather(outs[i].second, outs[i].first, 333) == 0);
+  }
+  std::vector<int> me{c.rank()};
+  CHECK_THROWS_WITH(c.allgather(at::zeros({5}), at::zeros({4}), AllgatherOptions{me, {}}),
+                    Catch::Contains("output must hold group size * input.numel() = 1 * 4 = 4"));
+  CHECK_THROWS_WITH(
+      c.allgather(at::zeros({4}), at::zeros({4}, at::kDouble), AllgatherOptions{me, {}}),
+      Catch::Contains("output dtype must equal input dtype"));
+  if (n > 2) {
+    std::vector<int> missing{(c.rank() + 1) % n};
+    CHECK_THROWS_WITH(c.allgather(at::zeros({4}), at::zeros({4}), AllgatherOptions{missing, {}}),
+                      Catch::Contains("that contain this rank"));
+  }
+}
