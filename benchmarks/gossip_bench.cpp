@@ -25,7 +25,7 @@
 #include <map>
 
 #include "decent_dp/mpi_communicator.h"
-#include "topology/topology.h"
+#include "decent_dp/topology/topology.h"
 
 namespace {
 

@@ -16,8 +16,9 @@
 #include <chrono>
 #include <fstream>
 
-#include "optim/adam.h"
-#include "optim/sgd.h"
+#include "decent_dp/optim/adam.h"
+#include "decent_dp/optim/factories.h"
+#include "decent_dp/optim/sgd.h"
 
 namespace {
 
@@ -179,6 +180,30 @@ int main(int argc, char** argv) {
                                  decent_dp::optim::AdamWOptions(1e-3).weight_decay(0.1));
     const double fused = time_ms([&] { ours.step(); }, iters);
     report("decent_dp AdamW (flat)", fused, 28, base);
+    // What the wrappers give their optimizers: the adamw() factory's two groups (decayed
+    // weights, undecayed 1-D parameters) over one flat bucket, laid out by the default bucket
+    // layout key (each group one contiguous run) or in gradient-ready order (interleaved).
+    auto ordered = shapes;
+    std::stable_partition(ordered.begin(), ordered.end(),
+                          [](const std::vector<int64_t>& sh) { return sh.size() >= 2; });
+    for (bool layout : {true, false}) {
+      auto set = make_set(layout ? ordered : shapes, true);
+      decent_dp::optim::NamedParams named;
+      for (size_t i = 0; i < set.params.size(); ++i)
+        named.emplace_back("p" + std::to_string(i), set.params[i]);
+      decent_dp::optim::AdamWFactoryOptions fo;
+      fo.weight_decay = 0.1;
+      auto opt = decent_dp::optim::adamw(fo)(named);
+      const double ms = time_ms([&] { opt->step(); }, iters);
+      const auto* a = dynamic_cast<decent_dp::optim::AdamW*>(opt.get());
+      const int flat_groups = a != nullptr ? a->last_flat_groups() : -1;
+      report(layout ? "decent_dp adamw() factory, wrapper's bucket layout"
+                    : "decent_dp adamw() factory, gradient-ready order",
+             ms, 28, base);
+      fmt::print("  flat groups: {} of {}\n", flat_groups, opt->param_groups().size());
+      rows.push_back({{"case", layout ? "factory_wrapper_layout" : "factory_interleaved"},
+                      {"flat_groups", flat_groups}});
+    }
     auto flat2 = make_set(shapes, true);
     decent_dp::optim::AccumAdamW accum(
         flat2.params, decent_dp::optim::AccumAdamWOptions(1e-3).weight_decay(0.1).accum_iter(4));

@@ -7,7 +7,10 @@ if(DECENT_DP_CCACHE AND NOT CMAKE_CXX_COMPILER_LAUNCHER)
 endif()
 
 find_package(Threads REQUIRED)
-find_package(MPI REQUIRED COMPONENTS C)
+# The C API through the C++ component (no C compiler needed); the deprecated C++ bindings
+# are skipped.
+set(MPI_CXX_SKIP_MPICXX ON)
+find_package(MPI REQUIRED COMPONENTS CXX)
 
 # A CUDA build of LibTorch needs the CUDA toolkit to configure, not a GPU.
 if(NOT CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX} AND EXISTS /usr/local/cuda/bin/nvcc)

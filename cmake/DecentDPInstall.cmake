@@ -4,15 +4,17 @@ include(CMakePackageConfigHelpers)
 
 set(DECENT_DP_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/DecentDP)
 
-install(TARGETS decent_dp decent_dp_core decent_dp_optim decent_dp_topology
+install(TARGETS decent_dp decent_dp_base decent_dp_core decent_dp_optim decent_dp_topology
   EXPORT DecentDPTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-foreach(_dir topology decent_dp optim)
+# One include root: include/decent_dp/*.h, include/decent_dp/{optim,topology}/*.h.
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/decent_dp/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/decent_dp
+  FILES_MATCHING PATTERN "*.h" PATTERN "detail" EXCLUDE)
+foreach(_dir topology optim)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${_dir}/
-    DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/decent_dp/${_dir}
-    FILES_MATCHING PATTERN "*.h" PATTERN "detail" EXCLUDE)
+    DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/decent_dp/${_dir} FILES_MATCHING PATTERN "*.h")
 endforeach()
 install(EXPORT DecentDPTargets NAMESPACE decent_dp:: DESTINATION ${DECENT_DP_CMAKE_DIR})
 

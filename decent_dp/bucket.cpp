@@ -7,7 +7,7 @@
 #include <map>
 #include <sstream>
 
-#include "topology/errors.h"
+#include "decent_dp/errors.h"
 
 namespace decent_dp {
 

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "topology/topology.h"
+#include "decent_dp/topology/topology.h"
 
 namespace decent_dp {
 

@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "decent_dp/bucket.h"
+#include "decent_dp/optim/factories.h"
+#include "decent_dp/topology/topology.h"
 #include "decent_dp/work.h"
-#include "optim/factories.h"
-#include "topology/topology.h"
 
 namespace decent_dp {
 

@@ -24,8 +24,8 @@
 #include "decent_dp/communicator.h"
 #include "decent_dp/exchange_stage.h"
 #include "decent_dp/global_averager.h"
-#include "optim/factories.h"
-#include "topology/topology.h"
+#include "decent_dp/optim/factories.h"
+#include "decent_dp/topology/topology.h"
 
 namespace decent_dp {
 

@@ -25,13 +25,15 @@ struct GatherState final : ExchangeState {
 
 // ---- Exchange ----
 
+// synchronize(): on CPU a wait; on a CUDA backend the current stream waits for the
+// exchange instead of the host.
 void Exchange::timed_wait(Work& work) {
   if (work.is_completed()) {
-    work.wait();  // rethrows a stored error
+    work.synchronize();  // rethrows a stored error
     return;
   }
   const auto t0 = std::chrono::steady_clock::now();
-  work.wait();
+  work.synchronize();
   wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 

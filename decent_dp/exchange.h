@@ -21,7 +21,7 @@
 #include "decent_dp/bucket_set.h"
 #include "decent_dp/communicator.h"
 #include "decent_dp/exchange_stage.h"
-#include "topology/topology.h"
+#include "decent_dp/topology/topology.h"
 
 namespace decent_dp {
 

@@ -19,7 +19,7 @@
 #include <memory>
 #include <string>
 
-#include "topology/topology.h"
+#include "decent_dp/topology/topology.h"
 
 namespace decent_dp {
 

@@ -1,4 +1,4 @@
-#include "optim/accum_adam_kernel.h"
+#include "decent_dp/optim/accum_adam_kernel.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>

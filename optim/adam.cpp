@@ -1,4 +1,4 @@
-#include "optim/adam.h"
+#include "decent_dp/optim/adam.h"
 
 #include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_fused_adamw.h>
@@ -8,8 +8,8 @@
 
 #include <cmath>
 
-#include "optim/accum_adam_kernel.h"
-#include "topology/errors.h"
+#include "decent_dp/errors.h"
+#include "decent_dp/optim/accum_adam_kernel.h"
 
 namespace decent_dp {
 namespace optim {

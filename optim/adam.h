@@ -14,7 +14,7 @@
 #include <tuple>
 #include <vector>
 
-#include "optim/flat_cache.h"
+#include "decent_dp/optim/flat_cache.h"
 
 namespace decent_dp {
 namespace optim {

@@ -1,9 +1,9 @@
-#include "optim/factories.h"
+#include "decent_dp/optim/factories.h"
 
-#include "optim/adam.h"
-#include "optim/schedulers.h"
-#include "optim/sgd.h"
-#include "topology/errors.h"
+#include "decent_dp/errors.h"
+#include "decent_dp/optim/adam.h"
+#include "decent_dp/optim/schedulers.h"
+#include "decent_dp/optim/sgd.h"
 
 namespace decent_dp {
 namespace optim {

@@ -1,9 +1,9 @@
-#include "optim/flat_cache.h"
+#include "decent_dp/optim/flat_cache.h"
 
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
 
-#include "topology/errors.h"
+#include "decent_dp/errors.h"
 
 namespace decent_dp {
 namespace optim {

@@ -6,7 +6,7 @@
 #include <map>
 #include <vector>
 
-#include "optim/flat_layout.h"
+#include "decent_dp/optim/flat_layout.h"
 
 namespace decent_dp {
 namespace optim {

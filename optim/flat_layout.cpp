@@ -1,4 +1,4 @@
-#include "optim/flat_layout.h"
+#include "decent_dp/optim/flat_layout.h"
 
 #include <algorithm>
 #include <numeric>

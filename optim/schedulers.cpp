@@ -1,9 +1,9 @@
-#include "optim/schedulers.h"
+#include "decent_dp/optim/schedulers.h"
 
 #include <algorithm>
 #include <cmath>
 
-#include "topology/errors.h"
+#include "decent_dp/errors.h"
 
 namespace decent_dp {
 namespace optim {

@@ -1,10 +1,10 @@
-#include "optim/sgd.h"
+#include "decent_dp/optim/sgd.h"
 
 #include <ATen/ops/_fused_sgd.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/serialize/archive.h>
 
-#include "topology/errors.h"
+#include "decent_dp/errors.h"
 
 namespace decent_dp {
 namespace optim {

@@ -8,7 +8,7 @@
 
 #include <vector>
 
-#include "optim/flat_cache.h"
+#include "decent_dp/optim/flat_cache.h"
 
 namespace decent_dp {
 namespace optim {

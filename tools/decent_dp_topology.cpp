@@ -14,7 +14,7 @@
 
 #include <iostream>
 
-#include "topology/topology.h"
+#include "decent_dp/topology/topology.h"
 
 namespace {
 

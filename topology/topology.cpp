@@ -1,4 +1,4 @@
-#include "topology/topology.h"
+#include "decent_dp/topology/topology.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>

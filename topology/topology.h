@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "topology/errors.h"
+#include "decent_dp/errors.h"
 
 namespace decent_dp {
 namespace topology {

@@ -10,7 +10,7 @@
 #include <random>
 
 #include "decent_dp/mpi_communicator.h"
-#include "topology/topology.h"
+#include "decent_dp/topology/topology.h"
 
 namespace {
 

@@ -10,8 +10,8 @@
 #include <memory>
 #include <vector>
 
-#include "optim/factories.h"
-#include "topology/topology.h"
+#include "decent_dp/optim/factories.h"
+#include "decent_dp/topology/topology.h"
 
 namespace decent_dp {
 namespace testing {

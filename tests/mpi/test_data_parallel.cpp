@@ -5,9 +5,9 @@
 #include "decent_dp/decentralized_data_parallel.h"
 #include "decent_dp/distributed_data_parallel.h"
 #include "decent_dp/env.h"
+#include "decent_dp/optim/adam.h"
+#include "decent_dp/optim/factories.h"
 #include "mpi_test_util.h"
-#include "optim/adam.h"
-#include "optim/factories.h"
 #include "simulator.h"
 
 using namespace decent_dp;

@@ -14,8 +14,8 @@
 
 #include "decent_dp/detail/shm.h"
 #include "decent_dp/errors.h"
+#include "decent_dp/topology/topology.h"
 #include "mpi_test_util.h"
-#include "topology/topology.h"
 
 using namespace decent_dp;
 using decent_dp::testing::comm;

@@ -3,7 +3,7 @@
 #include <torch/torch.h>
 
 #include "decent_dp/bucket.h"
-#include "optim/adam.h"
+#include "decent_dp/optim/adam.h"
 
 using namespace decent_dp;
 

@@ -5,10 +5,10 @@
 #include <cmath>
 #include <sstream>
 
-#include "optim/adam.h"
-#include "optim/factories.h"
-#include "optim/schedulers.h"
-#include "optim/sgd.h"
+#include "decent_dp/optim/adam.h"
+#include "decent_dp/optim/factories.h"
+#include "decent_dp/optim/schedulers.h"
+#include "decent_dp/optim/sgd.h"
 
 using namespace decent_dp;
 using namespace decent_dp::optim;

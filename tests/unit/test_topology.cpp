@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "topology/topology.h"
+#include "decent_dp/topology/topology.h"
 
 using namespace decent_dp;
 using namespace decent_dp::topology;
