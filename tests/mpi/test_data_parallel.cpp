@@ -7,6 +7,7 @@
 #include "decent_dp/env.h"
 #include "decent_dp/optim/adam.h"
 #include "decent_dp/optim/factories.h"
+#include "examples/common/models.h"
 #include "mpi_test_util.h"
 #include "simulator.h"
 
@@ -765,4 +766,24 @@ TEST_CASE("the library's factories step each bucket flat: weights and biases in 
     INFO("default layout " << default_layout);
     CHECK(adam->last_flat_groups() == (default_layout ? 2 : 0));
   }
+}
+
+TEST_CASE("adamw() steps both groups of a ResNet bucket flat through the wrapper", "[ddp][flat]") {
+  torch::manual_seed(11);
+  auto net = examples::make_model("resnet20", 3, 10, 8);
+  DataParallelOptions o;
+  o.topology = comm().size() % 2 == 0 ? "ring" : "complete";
+  DecentralizedDataParallel<torch::nn::Sequential> model(net, o, optim::adamw(), nullptr,
+                                                         shared_comm());
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(comm().rank() + 1);
+  for (int step = 0; step < 2; ++step) {
+    auto x = at::randn({4, 3, 8, 8}, gen);
+    auto y = at::randint(10, {4}, gen);
+    torch::nn::functional::cross_entropy(model.forward(x), y).backward();
+  }
+  REQUIRE(model.bucket_count() == 1);  // 269,722 parameters under the 25 MiB cap
+  auto* adam = dynamic_cast<optim::AdamW*>(&model.optimizer(0));
+  REQUIRE(adam != nullptr);
+  CHECK(adam->param_groups().size() == 2);
+  CHECK(adam->last_flat_groups() == 2);
 }
