@@ -2,7 +2,11 @@
 
 #include <torch/torch.h>
 
+#include <chrono>
+
 #include "decent_dp/bucket.h"
+#include "decent_dp/bucket_set.h"
+#include "decent_dp/exchange.h"
 #include "decent_dp/optim/adam.h"
 
 using namespace decent_dp;
@@ -156,4 +160,39 @@ TEST_CASE("bucket storage: a fused optimizer keeps its flat state across block s
     CHECK(state.step() == step + 1);
   }
   CHECK(ob.last_flat_groups() == 1);
+}
+
+TEST_CASE("shutdown waits one deadline for all buckets, not one per bucket", "[bucket]") {
+  // Four one-parameter buckets whose exchanges never finish (a peer stopped taking part).
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  std::vector<size_t> order;
+  for (size_t i = 0; i < 4; ++i) {
+    params.push_back(torch::zeros({64}).requires_grad_(true));
+    names.push_back("p" + std::to_string(i));
+    order.push_back(i);
+  }
+  auto binding = decent_dp::make_param_binding(true);
+  decent_dp::BucketSetOptions o;
+  o.bucket_cap_mb = 1e-9;  // every parameter closes its own bucket
+  o.bind_grads = false;
+  decent_dp::BucketSet set;
+  set.build(order, params, names, *binding, o);
+  REQUIRE(set.size() == 4);
+  for (auto& b : set) {
+    b.work = std::make_shared<decent_dp::Work>("exchange that never ends",
+                                               std::vector<at::Tensor>{}, std::chrono::minutes(10));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  decent_dp::Exchange::drain(set, std::chrono::milliseconds(400));
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // One deadline in total: well under the 4 x 0.4 s that one timeout per bucket would take.
+  CHECK(s >= 0.35);
+  CHECK(s < 1.2);
+  // A finished exchange costs nothing.
+  for (auto& b : set)
+    b.work->finish();
+  const auto t1 = std::chrono::steady_clock::now();
+  decent_dp::Exchange::drain(set, std::chrono::milliseconds(400));
+  CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count() < 0.2);
 }
