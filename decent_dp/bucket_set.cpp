@@ -10,6 +10,20 @@
 namespace decent_dp {
 namespace {
 
+// Makes the gradient of `p` the view `view`, keeping what it accumulated elsewhere; with
+// `zero_if_missing`, a missing gradient becomes a zeroed view.
+void bind_grad(at::Tensor& p, const at::Tensor& view, bool zero_if_missing) {
+  if (p.grad().is_same(view)) {
+    return;
+  }
+  if (p.grad().defined()) {
+    view.copy_(p.grad());
+  } else if (zero_if_missing) {
+    view.zero_();
+  }
+  p.mutable_grad() = view;
+}
+
 class ViewBinding final : public ParamBinding {
  public:
   bool as_view() const override { return true; }
@@ -19,27 +33,13 @@ class ViewBinding final : public ParamBinding {
   void on_grad_ready(Bucket& bucket, size_t k) const override {
     // The gradient must live in the bucket's gradient block; an optimizer's or module's
     // zero_grad(set_to_none) makes autograd allocate a fresh one: move it in.
-    const at::Tensor& view = bucket.storage.grad_views[k];
-    at::Tensor& p = bucket.params[k];
-    if (!p.grad().is_same(view)) {
-      if (p.grad().defined()) {
-        view.copy_(p.grad());
-      }
-      p.mutable_grad() = view;
-    }
+    bind_grad(bucket.params[k], bucket.storage.grad_views[k], /*zero_if_missing=*/false);
   }
   void before_update(Bucket& bucket) const override {
+    // A gradient accumulated without this backward (no_sync) moves in; one that did not
+    // arrive counts as zero.
     for (size_t k = 0; k < bucket.params.size(); ++k) {
-      at::Tensor& p = bucket.params[k];
-      const at::Tensor& view = bucket.storage.grad_views[k];
-      if (!p.grad().is_same(view)) {
-        if (p.grad().defined()) {
-          view.copy_(p.grad());  // accumulated without this backward (no_sync)
-        } else {
-          view.zero_();  // did not arrive: counts as zero
-        }
-        p.mutable_grad() = view;
-      }
+      bind_grad(bucket.params[k], bucket.storage.grad_views[k], /*zero_if_missing=*/true);
     }
   }
   void after_update(Bucket& bucket) const override {

@@ -191,7 +191,7 @@ void DataParallelCore::build_buckets() {
   std::vector<size_t> bucket_of(params_.size()), position_of(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     bucket_of[i] = buckets_.bucket_of(i);
-    position_of[i] = buckets_.bucket_of(i) == BucketSet::kNone ? 0 : buckets_.position_of(i);
+    position_of[i] = buckets_.position_of(i);
   }
   if (control_->rank() == 0) {
     for (const Bucket& b : buckets_) {

@@ -161,7 +161,8 @@ struct MpiCommunicator::Impl {
   int size = 0;
   int local_rank = -1;
   int local_size = 0;
-  std::vector<int> node_of;  // per world rank: the world rank of its node's first rank
+  std::vector<int> world_ranks;  // 0 .. size - 1: the group of options with no ranks
+  std::vector<int> node_of;      // per world rank: the world rank of its node's first rank
   bool shared_memory = false;
   int64_t shared_memory_min_bytes = 0;
   detail::PeerSegmentCache peers;  // engine token holder only
@@ -253,14 +254,6 @@ struct MpiCommunicator::Impl {
     return group;
   }
 
-  std::vector<int> all_ranks() const {
-    std::vector<int> out(size);
-    for (int r = 0; r < size; ++r) {
-      out[r] = r;
-    }
-    return out;
-  }
-
   // Runs a blocking task in the engine, after every operation submitted before it started.
   void run_blocking(const std::string& description, std::function<void()> task) {
     auto work = make_work(description, {});
@@ -315,6 +308,9 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
       d.world_group.comm = d.world;
       d.world_group.index = d.rank;
       d.world_group.size = d.size;
+      for (int r = 0; r < d.size; ++r) {
+        d.world_ranks.push_back(r);
+      }
       MPI_Comm local = MPI_COMM_NULL;
       DECENT_DP_MPI_CHECK(
           MPI_Comm_split_type(d.world, MPI_COMM_TYPE_SHARED, d.rank, MPI_INFO_NULL, &local));
@@ -458,7 +454,7 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
                                                  const AllreduceOptions& options) {
   Impl& d = *impl_;
   const ReduceOp op = options.op;
-  const std::vector<int> ranks = options.ranks.empty() ? d.all_ranks() : options.ranks;
+  const std::vector<int>& ranks = options.ranks.empty() ? d.world_ranks : options.ranks;
   check_cpu_tensor(tensor, "allreduce", "tensor");
   const bool in_place = output.defined() && output.is_same(tensor);
   if (!in_place) {
@@ -569,7 +565,7 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int r
 std::shared_ptr<Work> MpiCommunicator::allgather(const at::Tensor& output, const at::Tensor& input,
                                                  const AllgatherOptions& options) {
   Impl& d = *impl_;
-  const std::vector<int> ranks = options.ranks.empty() ? d.all_ranks() : options.ranks;
+  const std::vector<int>& ranks = options.ranks.empty() ? d.world_ranks : options.ranks;
   check_cpu_tensor(input, "allgather", "input");
   check_cpu_tensor(output, "allgather", "output");
   DECENT_DP_CHECK_ARG(output.scalar_type() == input.scalar_type(),

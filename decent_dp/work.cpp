@@ -83,15 +83,4 @@ void Work::finish(std::exception_ptr error) {
   cv_.notify_all();
 }
 
-void wait_in_destructor(const std::shared_ptr<Work>& work) noexcept {
-  if (!work) {
-    return;
-  }
-  try {
-    work->wait();
-  } catch (const std::exception& e) {
-    DECENT_DP_LOG_WARN(detail::cat(work->description(), " failed during destruction: ", e.what()));
-  }
-}
-
 }  // namespace decent_dp

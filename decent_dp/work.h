@@ -67,8 +67,4 @@ class Work {
   std::exception_ptr error_;
 };
 
-// For destructors, which must not throw: waits for `work` (if any) and logs a failure instead
-// of throwing it. Lets exchanges in flight finish so no peer waits for this rank.
-void wait_in_destructor(const std::shared_ptr<Work>& work) noexcept;
-
 }  // namespace decent_dp
