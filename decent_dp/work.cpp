@@ -1,7 +1,6 @@
 #include "decent_dp/work.h"
 
 #include "decent_dp/errors.h"
-#include "decent_dp/logging.h"
 
 namespace decent_dp {
 
