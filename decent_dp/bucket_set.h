@@ -40,6 +40,7 @@ struct Bucket {
   std::unique_ptr<torch::optim::LRScheduler> scheduler;
   std::shared_ptr<Work> work;              // exchange in flight (or done, not yet applied)
   const topology::Group* group = nullptr;  // the group of that exchange (gossip)
+  int64_t exchange_update = 0;             // the update that launched it
   std::unique_ptr<ExchangeState> exchange_state;
 };
 

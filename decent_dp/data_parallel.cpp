@@ -1,15 +1,18 @@
 #include "decent_dp/data_parallel.h"
 
+#include <ATen/ops/empty.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
 
+#include "decent_dp/checkpoint.h"
 #include "decent_dp/env.h"
 #include "decent_dp/errors.h"
 #include "decent_dp/exchange.h"
 #include "decent_dp/grad_ready.h"
 #include "decent_dp/logging.h"
 #include "decent_dp/model_sync.h"
+#include "decent_dp/state_archive.h"
 
 namespace decent_dp {
 
@@ -22,9 +25,10 @@ DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
       optim_fn_(std::move(optim_fn)),
       scheduler_fn_(std::move(scheduler_fn)),
       control_(comm ? std::move(comm) : default_communicator()),
-      mode_(mode) {
-  const char* who =
-      mode_ == ExchangeMode::kGossip ? "DecentralizedDataParallel" : "DistributedDataParallel";
+      mode_(mode),
+      who_(mode == ExchangeMode::kGossip ? "DecentralizedDataParallel"
+                                         : "DistributedDataParallel") {
+  const char* who = who_;
   DECENT_DP_CHECK_ARG(module_ != nullptr, who, ": module must not be null");
   DECENT_DP_CHECK_ARG(static_cast<bool>(optim_fn_), who,
                       ": an optimizer factory is required (e.g. decent_dp::optim::adamw())");
@@ -286,6 +290,126 @@ void DataParallelCore::revert_global_avg_impl() {
 double DataParallelCore::consensus_distance_impl() {
   ready_->check_not_failed();
   return GlobalAverager::consensus_distance(buckets_, *binding_, *data_);
+}
+
+void DataParallelCore::check_between_steps(const char* what) const {
+  ready_->check_not_failed();
+  DECENT_DP_CHECK_ARG(!ready_->armed(), who_, "::", what,
+                      ": called between forward() and backward(); call it between steps");
+  DECENT_DP_CHECK_ARG(!accumulate_, who_, "::", what,
+                      ": called while gradients accumulate (no_sync / set_accumulate_grad); "
+                      "call it after the step that uses them");
+  DECENT_DP_CHECK_ARG(!averager_.has_backup(), who_, "::", what,
+                      ": called between global_avg(will_revert = true) and "
+                      "revert_global_avg(); call it before global_avg or after the revert");
+}
+
+// Note [checkpoint] for the format. Parameters and buffers are saved one by one (so the
+// same file loads with either parameter binding); the bucket plan is iteration 1's order,
+// rebuilt on load without a backward.
+void DataParallelCore::save(const std::string& dir, const NamedTensors& user_state) {
+  check_between_steps("save");
+  torch::serialize::OutputArchive ar;
+  std::vector<at::Tensor> buffers;
+  for (const auto& b : module_->named_buffers()) {
+    buffers.push_back(b.value());
+  }
+  {
+    at::NoGradGuard no_grad;
+    const auto& order = ready_->first_order();
+    at::Tensor order64 = at::empty({static_cast<int64_t>(order.size())}, at::kLong);
+    for (size_t k = 0; k < order.size(); ++k) {
+      order64.data_ptr<int64_t>()[k] = static_cast<int64_t>(order[k]);
+    }
+    state_archive::write_int(ar, "has_buckets", buckets_.empty() ? 0 : 1);
+    state_archive::write_tensor(ar, "first_order", order64);
+    state_archive::write_int(ar, "steps", steps_);
+    state_archive::write_int(ar, "updates", updates_);
+    state_archive::write_double(ar, "adaptive_factor", adaptive_factor_impl());
+    state_archive::write_tensors(ar, "param_", params_);
+    state_archive::write_tensors(ar, "buffer_", buffers);
+    state_archive::write_buckets(ar, buckets_, *exchange_, updates_);
+    state_archive::write_user_state(ar, user_state);
+  }
+  CheckpointManifest m;
+  m.wrapper = who_;
+  m.world_size = control_->size();
+  m.local_world_size = topology_->local_world_size();
+  m.topology = topology_->name();
+  m.period = topology_->period();
+  m.steps = steps_;
+  m.updates = updates_;
+  m.buckets = state_archive::describe(buckets_);
+  checkpoint::save(*control_, dir, m, ar);
+}
+
+NamedTensors DataParallelCore::load(const std::string& dir) {
+  check_between_steps("load");
+  synchronize();  // exchanges in flight finish; their results are replaced below
+  CheckpointManifest expected;
+  expected.wrapper = who_;
+  expected.world_size = control_->size();
+  expected.local_world_size = topology_->local_world_size();
+  expected.topology = topology_->name();
+  torch::serialize::InputArchive ar;
+  const CheckpointManifest saved = checkpoint::load(*control_, dir, expected, ar);
+  const std::string mfile = checkpoint::manifest_file(dir);
+  const std::string what = detail::cat("checkpoint load from ", dir);
+
+  // The bucket plan: rebuilt from iteration 1's order, or checked against the existing one.
+  std::vector<size_t> order;
+  bool build = false;
+  std::string error;
+  try {
+    const bool had = state_archive::read_int(ar, "has_buckets") != 0;
+    const at::Tensor t = state_archive::read_tensor(ar, "first_order");
+    for (int64_t k = 0; k < t.numel(); ++k) {
+      order.push_back(static_cast<size_t>(t.data_ptr<int64_t>()[k]));
+    }
+    if (buckets_.empty() && had) {
+      ready_->restore_first_order(order);
+      build = true;
+    } else if (!buckets_.empty() && !had) {
+      throw CheckpointError(
+          detail::cat(mfile,
+                      ": field 'buckets' is empty (saved before the first backward), this wrapper "
+                      "has trained; load it into a freshly made wrapper"));
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  checkpoint::agree(*control_, what, error);
+  if (build) {
+    build_buckets();  // collective, like iteration 1's
+  }
+  NamedTensors user;
+  error.clear();
+  try {
+    state_archive::check_plan(saved.buckets, state_archive::describe(buckets_), mfile);
+    std::vector<std::string> buffer_names;
+    std::vector<at::Tensor> buffers;
+    for (const auto& b : module_->named_buffers()) {
+      buffer_names.push_back("buffer " + b.key());
+      buffers.push_back(b.value());
+    }
+    state_archive::read_tensors_into(ar, "param_", params_, names_);
+    state_archive::read_tensors_into(ar, "buffer_", buffers, buffer_names);
+    at::NoGradGuard no_grad;
+    for (Bucket& b : buckets_) {
+      binding_->load_block(b);
+    }
+    state_archive::read_buckets(ar, buckets_, *exchange_);
+    steps_ = state_archive::read_int(ar, "steps");
+    updates_ = state_archive::read_int(ar, "updates");
+    if (gossip_ != nullptr) {
+      gossip_->set_adaptive_factor(state_archive::read_double(ar, "adaptive_factor"));
+    }
+    user = state_archive::read_user_state(ar);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  checkpoint::agree(*control_, what, error);
+  return user;
 }
 
 }  // namespace decent_dp

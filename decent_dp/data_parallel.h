@@ -24,6 +24,7 @@
 #include "decent_dp/communicator.h"
 #include "decent_dp/exchange_stage.h"
 #include "decent_dp/global_averager.h"
+#include "decent_dp/model_sync.h"
 #include "decent_dp/optim/factories.h"
 #include "decent_dp/topology/topology.h"
 
@@ -123,6 +124,22 @@ class DataParallelCore : public torch::nn::Module {
   // Waits for every exchange in flight (their results are applied by the next update).
   void synchronize();
 
+  // Checkpoint (Note [checkpoint] in checkpoint.h, docs/checkpoint.md). Collective: every
+  // rank calls it between two steps with the same folder. Saves this rank's parameters and
+  // buffers, the bucket plan, each bucket's optimizer and scheduler state, the step and
+  // update counts, the adaptive factor, the exchange in flight (waited for; its result is
+  // saved and the next update applies it, as in an uninterrupted run) and `user_state`
+  // (e.g. the data loader's position, generator states). Not allowed between forward and
+  // backward, while accumulating gradients, or between global_avg(true) and its revert.
+  void save(const std::string& dir, const NamedTensors& user_state = {});
+  // Collective. Refuses (CheckpointError, on every rank) a checkpoint of another wrapper,
+  // world size, ranks per node, topology or bucket plan, and a missing, torn or truncated
+  // file; otherwise restores everything save() wrote (before or after the first backward)
+  // and returns its user_state. Training then continues exactly as it would have.
+  NamedTensors load(const std::string& dir);
+  using torch::nn::Module::load;
+  using torch::nn::Module::save;
+
   // Seconds this rank spent blocked on the wrappers' exchanges so far: in gossip mode waiting
   // for the previous exchange before an update, in all-reduce mode waiting for a gradient
   // reduction before the step, and in synchronize(). Exchanges that had finished cost nothing.
@@ -141,6 +158,7 @@ class DataParallelCore : public torch::nn::Module {
 
  private:
   void build_buckets();
+  void check_between_steps(const char* what) const;
   void on_bucket(size_t b);
   void take_update(Bucket& bucket);
   std::vector<at::Tensor> averaged_buffers();
@@ -152,6 +170,7 @@ class DataParallelCore : public torch::nn::Module {
   std::shared_ptr<Communicator> control_;  // CPU: model checks, bucket metadata
   std::shared_ptr<Communicator> data_;     // the parameters' device: exchanges
   ExchangeMode mode_;
+  const char* who_;
   std::unique_ptr<topology::Topology> topology_;
 
   std::vector<std::string> names_;  // named_parameters() of the wrapped module

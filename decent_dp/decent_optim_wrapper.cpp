@@ -7,6 +7,7 @@
 #include "decent_dp/errors.h"
 #include "decent_dp/exchange.h"
 #include "decent_dp/model_sync.h"
+#include "decent_dp/state_archive.h"
 
 namespace decent_dp {
 namespace {
@@ -152,6 +153,92 @@ void DecentOptimWrapper::global_avg(bool may_revert) {
 
 void DecentOptimWrapper::revert_global_avg() {
   averager_.revert(buckets_, *binding_, {});
+}
+
+CheckpointManifest DecentOptimWrapper::manifest() const {
+  CheckpointManifest m;
+  m.wrapper = "DecentOptimWrapper";
+  m.world_size = control_->size();
+  m.local_world_size = topology_->local_world_size();
+  m.topology = topology_->name();
+  m.period = topology_->period();
+  m.steps = steps_;
+  m.updates = steps_;
+  m.buckets = state_archive::describe(buckets_);
+  return m;
+}
+
+std::vector<at::Tensor> DecentOptimWrapper::all_params() const {
+  std::vector<at::Tensor> out;
+  for (const auto& g : inner_->param_groups()) {
+    for (const auto& p : g.params()) {
+      out.push_back(p);
+    }
+  }
+  return out;
+}
+
+void DecentOptimWrapper::save(const std::string& dir, const NamedTensors& user_state) {
+  DECENT_DP_CHECK_ARG(!averager_.has_backup(),
+                      "DecentOptimWrapper::save: called between global_avg(may_revert = true) "
+                      "and revert_global_avg(); call it before global_avg or after the revert");
+  torch::serialize::OutputArchive ar;
+  {
+    at::NoGradGuard no_grad;
+    state_archive::write_int(ar, "steps", steps_);
+    state_archive::write_tensors(ar, "param_", all_params());
+    torch::serialize::OutputArchive inner;
+    inner_->save(inner);
+    ar.write("inner", inner);
+    for (size_t g = 0; g < param_groups_.size(); ++g) {
+      state_archive::write_double(ar, detail::cat("lr_", g), param_groups_[g].options().get_lr());
+      state_archive::write_double(ar, detail::cat("last_lr_", g), last_lrs_[g]);
+    }
+    state_archive::write_buckets(ar, buckets_, *gossip_, steps_);
+    state_archive::write_user_state(ar, user_state);
+  }
+  checkpoint::save(*control_, dir, manifest(), ar);
+}
+
+NamedTensors DecentOptimWrapper::load(const std::string& dir) {
+  DECENT_DP_CHECK_ARG(!averager_.has_backup(),
+                      "DecentOptimWrapper::load: called between global_avg(may_revert = true) "
+                      "and revert_global_avg(); call it before global_avg or after the revert");
+  for (Bucket& b : buckets_) {
+    gossip_->wait(b);
+  }
+  torch::serialize::InputArchive ar;
+  const CheckpointManifest saved = checkpoint::load(*control_, dir, manifest(), ar);
+  NamedTensors user;
+  std::string error;
+  try {
+    state_archive::check_plan(saved.buckets, state_archive::describe(buckets_),
+                              checkpoint::manifest_file(dir));
+    const std::vector<at::Tensor> params = all_params();
+    std::vector<std::string> names;
+    for (size_t g = 0; g < inner_->param_groups().size(); ++g) {
+      for (size_t j = 0; j < inner_->param_groups()[g].params().size(); ++j) {
+        names.push_back(detail::cat("group ", g, " parameter ", j));
+      }
+    }
+    state_archive::read_tensors_into(ar, "param_", params, names);
+    torch::serialize::InputArchive inner;
+    if (!ar.try_read("inner", inner)) {
+      throw CheckpointError("checkpoint payload: field 'inner' is missing");
+    }
+    inner_->load(inner);
+    for (size_t g = 0; g < param_groups_.size(); ++g) {
+      param_groups_[g].options().set_lr(state_archive::read_double(ar, detail::cat("lr_", g)));
+      last_lrs_[g] = state_archive::read_double(ar, detail::cat("last_lr_", g));
+    }
+    state_archive::read_buckets(ar, buckets_, *gossip_);
+    steps_ = state_archive::read_int(ar, "steps");
+    user = state_archive::read_user_state(ar);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  checkpoint::agree(*control_, detail::cat("checkpoint load from ", dir), error);
+  return user;
 }
 
 }  // namespace decent_dp

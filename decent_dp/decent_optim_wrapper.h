@@ -20,8 +20,10 @@
 #include <vector>
 
 #include "decent_dp/bucket_set.h"
+#include "decent_dp/checkpoint.h"
 #include "decent_dp/communicator.h"
 #include "decent_dp/global_averager.h"
+#include "decent_dp/model_sync.h"
 #include "decent_dp/topology/topology.h"
 
 namespace decent_dp {
@@ -48,6 +50,19 @@ class DecentOptimWrapper : public torch::optim::Optimizer {
   void global_avg(bool may_revert = true);
   void revert_global_avg();
 
+  // Checkpoint (Note [checkpoint] in checkpoint.h, docs/checkpoint.md). Collective, between
+  // steps, the same folder on every rank. Saves the parameters, the inner optimizer's state,
+  // both sides' learning rates, the step count, the exchange in flight (waited for; the next
+  // step() applies it) and `user_state`. A torch::optim scheduler keeps its step count to
+  // itself: make it again and call its step() step_count() times before load().
+  void save(const std::string& dir, const NamedTensors& user_state = {});
+  // Collective. Refuses a checkpoint of another wrapper, world size, ranks per node,
+  // topology or bucket plan and a missing, torn or truncated file (CheckpointError on every
+  // rank); otherwise restores what save() wrote and returns its user_state.
+  NamedTensors load(const std::string& dir);
+  using torch::optim::Optimizer::load;
+  using torch::optim::Optimizer::save;
+
   int64_t step_count() const { return steps_; }
   torch::optim::Optimizer& inner() { return *inner_; }
   const topology::Topology& topology() const { return *topology_; }
@@ -55,6 +70,8 @@ class DecentOptimWrapper : public torch::optim::Optimizer {
 
  private:
   void sync_learning_rates();
+  CheckpointManifest manifest() const;
+  std::vector<at::Tensor> all_params() const;
 
   std::shared_ptr<torch::optim::Optimizer> inner_;
   std::shared_ptr<Communicator> control_;

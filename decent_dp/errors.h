@@ -40,6 +40,13 @@ class TimeoutError : public CommError {
   explicit TimeoutError(const std::string& what) : CommError(what) {}
 };
 
+// A checkpoint that cannot be written, or that a load refuses (missing, torn, truncated,
+// or saved by a different job or model): the message names the file and the field.
+class CheckpointError : public Error {
+ public:
+  explicit CheckpointError(const std::string& what) : Error(what) {}
+};
+
 namespace detail {
 
 // Concatenates the arguments with operator<<.

@@ -70,6 +70,19 @@ void Exchange::drain(BucketSet& buckets, std::chrono::milliseconds timeout) noex
   }
 }
 
+std::vector<at::Tensor> Exchange::pending(Bucket& bucket) {
+  wait(bucket);
+  return {};
+}
+
+void Exchange::restore_pending(Bucket& /*bucket*/, int64_t update,
+                               const std::vector<at::Tensor>& saved) {
+  DECENT_DP_CHECK_ARG(saved.empty(),
+                      "restore_pending: this exchange keeps nothing between "
+                      "steps, got ",
+                      saved.size(), " tensor(s) for update ", update);
+}
+
 // ---- all-reduce of gradients ----
 
 AllReduceExchange::AllReduceExchange(std::shared_ptr<Communicator> comm) : comm_(std::move(comm)) {}
@@ -144,6 +157,7 @@ void GossipExchange::launch(Bucket& bucket, int64_t update) {
   }
   const topology::Group& group = topology_.group_of(comm_->rank(), update);
   bucket.group = &group;
+  bucket.exchange_update = update;
   if (stages_.gathers()) {
     launch_gather(bucket, group, update);
     return;
@@ -152,6 +166,53 @@ void GossipExchange::launch(Bucket& bucket, int64_t update) {
   // next update, which first waits for the exchange), the communication block the output.
   bucket.work = comm_->allreduce(bucket.storage.params, bucket.storage.comm,
                                  AllreduceOptions{ReduceOp::kAvg, group.ranks, {}});
+}
+
+// Between steps the exchange of the last update is the only state in flight: the fast path
+// reads the group mean in the communication block, the gather path every member's payload.
+std::vector<at::Tensor> GossipExchange::pending(Bucket& bucket) {
+  if (!bucket.work) {
+    return {};
+  }
+  timed_wait(*bucket.work);
+  if (stages_.gathers()) {
+    auto& state = static_cast<GatherState&>(*bucket.exchange_state);
+    return {state.received.at(bucket.group->size())};
+  }
+  return {bucket.storage.comm};
+}
+
+void GossipExchange::restore_pending(Bucket& bucket, int64_t update,
+                                     const std::vector<at::Tensor>& saved) {
+  DECENT_DP_CHECK_ARG(saved.size() == 1, "restore_pending: expected 1 tensor for bucket ",
+                      bucket.index, ", got ", saved.size());
+  const topology::Group& group = topology_.group_of(comm_->rank(), update);
+  at::Tensor target;
+  if (stages_.gathers()) {
+    if (!bucket.exchange_state) {
+      bucket.exchange_state = std::make_unique<GatherState>();
+    }
+    auto& state = static_cast<GatherState&>(*bucket.exchange_state);
+    at::Tensor& received = state.received[group.size()];
+    if (!received.defined()) {
+      received = comm_->allocate(saved[0].numel(), saved[0].options().device(bucket.spec.device));
+    }
+    state.launched_update = update;
+    target = received;
+  } else {
+    target = bucket.storage.comm;
+  }
+  DECENT_DP_CHECK_ARG(
+      target.numel() == saved[0].numel() && target.scalar_type() == saved[0].scalar_type(),
+      "restore_pending: bucket ", bucket.index, " expects ", target.numel(), " x ",
+      target.scalar_type(), ", got ", saved[0].numel(), " x ", saved[0].scalar_type());
+  target.copy_(saved[0]);
+  bucket.group = &group;
+  bucket.exchange_update = update;
+  bucket.work = std::make_shared<Work>(
+      detail::cat("exchange of bucket ", bucket.index, " restored from a checkpoint"),
+      std::vector<at::Tensor>{}, std::chrono::milliseconds(1));
+  bucket.work->finish();
 }
 
 void GossipExchange::launch_gather(Bucket& bucket, const topology::Group& group, int64_t update) {

@@ -41,6 +41,13 @@ class Exchange {
   // Waits for every bucket's exchange in flight, within one shared deadline of `timeout`;
   // logs instead of throwing (for destructors).
   static void drain(BucketSet& buckets, std::chrono::milliseconds timeout) noexcept;
+  // Checkpoint (Note [checkpoint]): waits for the bucket's exchange in flight and returns
+  // what its apply() will read (empty: none in flight). The exchange stays pending.
+  virtual std::vector<at::Tensor> pending(Bucket& bucket);
+  // Makes the exchange that `update` launched pending again, finished, with the tensors
+  // pending() returned.
+  virtual void restore_pending(Bucket& bucket, int64_t update,
+                               const std::vector<at::Tensor>& saved);
   // Seconds spent blocked in waits on exchanges that had not finished.
   double wait_seconds() const { return wait_seconds_; }
 
@@ -71,6 +78,9 @@ class GossipExchange final : public Exchange {
   void on_bucket_ready(Bucket& bucket, int64_t update, const UpdateFn& take_update) override;
   void apply(Bucket& bucket, int64_t update) override;
   void launch(Bucket& bucket, int64_t update) override;
+  std::vector<at::Tensor> pending(Bucket& bucket) override;
+  void restore_pending(Bucket& bucket, int64_t update,
+                       const std::vector<at::Tensor>& saved) override;
 
   void set_adaptive_factor(double a);
   double adaptive_factor() const { return adaptive_factor_; }

@@ -76,6 +76,16 @@ void GradReady::set_buckets(std::vector<size_t> bucket_of, std::vector<size_t> p
   reset_counting();
 }
 
+void GradReady::restore_first_order(std::vector<size_t> order) {
+  DECENT_DP_CHECK_ARG(!have_buckets_ && !armed_,
+                      "restore_first_order: the buckets exist already (after the first backward)");
+  for (size_t i : order) {
+    DECENT_DP_CHECK_ARG(i < ready_.size(), "restore_first_order: parameter index ", i,
+                        " out of range; the module has ", ready_.size(), " parameters");
+  }
+  first_order_ = std::move(order);
+}
+
 void GradReady::reset_counting() {
   std::fill(ready_.begin(), ready_.end(), 0);
   pending_ = sizes_;

@@ -62,6 +62,9 @@ class GradReady {
                    std::vector<size_t> sizes);
   // The order of iteration 1 (parameter indices).
   const std::vector<size_t>& first_order() const { return first_order_; }
+  // A checkpoint's resume, before any backward: iteration 1's order as recorded then (the
+  // caller builds the buckets from it and calls set_buckets()).
+  void restore_first_order(std::vector<size_t> order);
   // Throws the stored failure, if any.
   void check_not_failed() const;
 

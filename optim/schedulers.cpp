@@ -31,6 +31,15 @@ void ClosedFormScheduler::apply_initial() {
   }
 }
 
+void ClosedFormScheduler::set_steps(int64_t t) {
+  TORCH_CHECK(t >= 0, "set_steps: t must be >= 0, got ", t);
+  step_count_ = static_cast<unsigned>(t);
+  auto& groups = optimizer_.param_groups();
+  for (size_t i = 0; i < groups.size(); ++i) {
+    groups[i].options().set_lr(lr_at(base_lrs_[i], t));
+  }
+}
+
 std::vector<double> ClosedFormScheduler::get_lrs() {
   // LRScheduler::step() calls this before counting the step: this is step number
   // step_count_ + 1.

@@ -19,6 +19,9 @@ class ClosedFormScheduler : public torch::optim::LRScheduler {
   virtual double lr_at(double base, int64_t t) const = 0;
   // Number of step() calls so far.
   int64_t steps() const { return static_cast<int64_t>(step_count_); }
+  // As if step() had been called `t` (>= 0) times since construction: sets every group's
+  // lr to lr(t) (a checkpoint's resume).
+  void set_steps(int64_t t);
   const std::vector<double>& base_lrs() const { return base_lrs_; }
 
  protected:
