@@ -27,12 +27,14 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <mutex>
 
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "decent_dp/decent_dp.h"
 #include "decent_dp/mpi_communicator.h"
+#include "decent_dp/state_archive.h"
 #include "examples/common/data.h"
 #include "examples/common/loader.h"
 #include "examples/common/models.h"
@@ -75,6 +77,8 @@ struct Config {
   int log_every = 0;              // plain progress lines every this many steps (0: ten per epoch)
   int consensus_every = 0;        // also measure the consensus distance every this many steps
   int64_t eval_batch = 500;
+  int checkpoint_every = 0;  // save <output>/checkpoint every this many epochs (0: never)
+  std::string resume;        // checkpoint folder to continue from
 };
 
 // "must be > 0" / ">= 0" checks whose messages name the bound and the value.
@@ -156,6 +160,11 @@ void bind(CLI::App& app, Config& c, std::string& config_path) {
                  "at the end of each epoch)")
       ->check(kNonNegative);
   app.add_option("--eval-batch", c.eval_batch, "evaluation batch")->check(kPositive);
+  app.add_option("--checkpoint-every", c.checkpoint_every,
+                 "save <output>/checkpoint every N epochs (0: never)")
+      ->check(kNonNegative);
+  app.add_option("--resume", c.resume,
+                 "continue from this checkpoint folder (saved by --checkpoint-every)");
 }
 
 nlohmann::json to_json(const Config& c) {
@@ -190,7 +199,9 @@ nlohmann::json to_json(const Config& c) {
           {"progress", c.progress},
           {"log-every", c.log_every},
           {"consensus-every", c.consensus_every},
-          {"eval-batch", c.eval_batch}};
+          {"eval-batch", c.eval_batch},
+          {"checkpoint-every", c.checkpoint_every},
+          {"resume", c.resume}};
 }
 
 // argv with the JSON file's settings first (so command-line flags, parsed later, win).
@@ -353,6 +364,9 @@ class Runner {
   virtual double consensus_distance() = 0;
   virtual double exchange_wait_seconds() const { return 0; }
   virtual void synchronize() {}
+  // Collective checkpoint of the whole training state plus the trainer's own tensors.
+  virtual void save(const std::string& dir, const decent_dp::NamedTensors& user) = 0;
+  virtual decent_dp::NamedTensors load(const std::string& dir) = 0;
 };
 
 class GossipRunner final : public Runner {
@@ -368,6 +382,10 @@ class GossipRunner final : public Runner {
   double consensus_distance() override { return w_.consensus_distance(); }
   double exchange_wait_seconds() const override { return w_.exchange_wait_seconds(); }
   void synchronize() override { w_.synchronize(); }
+  void save(const std::string& dir, const decent_dp::NamedTensors& user) override {
+    w_.save(dir, user);
+  }
+  decent_dp::NamedTensors load(const std::string& dir) override { return w_.load(dir); }
   const decent_dp::topology::Topology& topology() const { return w_.topology(); }
 
  private:
@@ -392,6 +410,10 @@ class AllReduceRunner final : public Runner {
   double consensus_distance() override { return 0; }
   double exchange_wait_seconds() const override { return w_.exchange_wait_seconds(); }
   void synchronize() override { w_.synchronize(); }
+  void save(const std::string& dir, const decent_dp::NamedTensors& user) override {
+    w_.save(dir, user);
+  }
+  decent_dp::NamedTensors load(const std::string& dir) override { return w_.load(dir); }
 
  private:
   decent_dp::DistributedDataParallel<Model> w_;
@@ -421,15 +443,66 @@ class LocalRunner final : public Runner {
     if (sched_)
       sched_->step();
     opt_->zero_grad();
+    ++steps_;
   }
   void train(bool on) override { m_->train(on); }
   double lr() override { return opt_->param_groups()[0].options().get_lr(); }
   void begin_average() override { avg_.average(); }
   void end_average() override { avg_.restore(); }
   double consensus_distance() override { return avg_.consensus_distance(); }
+  // The library's checkpoint format with this runner's own contents.
+  void save(const std::string& dir, const decent_dp::NamedTensors& user) override {
+    namespace sa = decent_dp::state_archive;
+    torch::serialize::OutputArchive ar;
+    sa::write_tensors(ar, "state_", state());
+    torch::serialize::OutputArchive opt;
+    opt_->save(opt);
+    ar.write("optimizer", opt);
+    sa::write_int(ar, "steps", steps_);
+    sa::write_user_state(ar, user);
+    decent_dp::checkpoint::save(avg_.comm(), dir, manifest(), ar);
+  }
+  decent_dp::NamedTensors load(const std::string& dir) override {
+    namespace sa = decent_dp::state_archive;
+    torch::serialize::InputArchive ar;
+    decent_dp::checkpoint::load(avg_.comm(), dir, manifest(), ar);
+    std::vector<std::string> names;
+    for (const auto& p : m_->named_parameters())
+      names.push_back(p.key());
+    for (const auto& b : m_->named_buffers())
+      names.push_back("buffer " + b.key());
+    sa::read_tensors_into(ar, "state_", state(), names);
+    steps_ = sa::read_int(ar, "steps");
+    if (auto* cs = dynamic_cast<decent_dp::optim::ClosedFormScheduler*>(sched_.get()))
+      cs->set_steps(steps_);
+    torch::serialize::InputArchive opt;
+    if (!ar.try_read("optimizer", opt))
+      throw decent_dp::CheckpointError(dir + ": the optimizer's state is missing");
+    opt_->load(opt);
+    return sa::read_user_state(ar);
+  }
 
  private:
+  std::vector<torch::Tensor> state() const {
+    std::vector<torch::Tensor> out;
+    for (const auto& p : m_->parameters())
+      out.push_back(p);
+    for (const auto& b : m_->buffers())
+      out.push_back(b);
+    return out;
+  }
+  decent_dp::CheckpointManifest manifest() {
+    decent_dp::CheckpointManifest m;
+    m.wrapper = "local training (resnet_cifar)";
+    m.world_size = avg_.comm().size();
+    m.local_world_size = avg_.comm().local_size();
+    m.topology = "none";
+    m.steps = m.updates = steps_;
+    return m;
+  }
+
   Model m_;
+  int64_t steps_ = 0;
   StateAverager avg_;
   std::unique_ptr<torch::optim::Optimizer> opt_;
   std::unique_ptr<torch::optim::LRScheduler> sched_;
@@ -493,6 +566,99 @@ extern "C" void on_signal(int sig) {
   (void)ignored;
   std::signal(sig, SIG_DFL);
   std::raise(sig);
+}
+
+// One epoch's results, as metrics.jsonl / metrics.csv hold them.
+struct Row {
+  int epoch;
+  double loss, train_acc, test_acc, local_acc, consensus, lr, ips, step_ms, wait_ms, data_ms, sent,
+      received, train_s, wall_s;
+};
+constexpr int64_t kRowFields = 15;
+
+void write_row(std::ofstream& jsonl, std::ofstream& csv, const Row& r) {
+  const nlohmann::json j = {{"epoch", r.epoch},
+                            {"train_loss", r.loss},
+                            {"train_acc", r.train_acc},
+                            {"test_acc", r.test_acc},
+                            {"local_test_acc", r.local_acc},
+                            {"consensus_distance", r.consensus},
+                            {"lr", r.lr},
+                            {"images_per_s", r.ips},
+                            {"step_ms", r.step_ms},
+                            {"exchange_wait_ms", r.wait_ms},
+                            {"data_wait_ms", r.data_ms},
+                            {"data_wait_frac", r.data_ms / r.step_ms},
+                            {"bytes_sent_per_rank", r.sent},
+                            {"bytes_received_per_rank", r.received},
+                            {"train_time_s", r.train_s},
+                            {"wall_time_s", r.wall_s}};
+  jsonl << j.dump() << "\n" << std::flush;
+  csv << fmt::format(
+             "{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6e},{:.6e},{:.2f},{:.3f},{:.3f},{:.3f},"
+             "{:.5f},{:.0f},{:.0f},{:.3f},{:.3f}\n",
+             r.epoch, r.loss, r.train_acc, r.test_acc, r.local_acc, r.consensus, r.lr, r.ips,
+             r.step_ms, r.wait_ms, r.data_ms, r.data_ms / r.step_ms, r.sent, r.received, r.train_s,
+             r.wall_s)
+      << std::flush;
+}
+
+// The finished epochs' rows travel in the checkpoint as one double tensor.
+torch::Tensor rows_to_tensor(const std::vector<Row>& rows) {
+  auto t = torch::zeros({static_cast<int64_t>(rows.size()), kRowFields}, torch::kDouble);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    const double v[kRowFields] = {static_cast<double>(r.epoch),
+                                  r.loss,
+                                  r.train_acc,
+                                  r.test_acc,
+                                  r.local_acc,
+                                  r.consensus,
+                                  r.lr,
+                                  r.ips,
+                                  r.step_ms,
+                                  r.wait_ms,
+                                  r.data_ms,
+                                  r.sent,
+                                  r.received,
+                                  r.train_s,
+                                  r.wall_s};
+    std::memcpy(t[static_cast<int64_t>(i)].data_ptr<double>(), v, sizeof v);
+  }
+  return t;
+}
+
+std::vector<Row> rows_from_tensor(const torch::Tensor& t) {
+  if (t.dim() != 2 || t.size(1) != kRowFields || t.scalar_type() != torch::kDouble)
+    throw std::invalid_argument("--resume: the checkpoint's 'rows' are not the trainer's");
+  std::vector<Row> rows;
+  for (int64_t i = 0; i < t.size(0); ++i) {
+    const double* v = t[i].data_ptr<double>();
+    rows.push_back(Row{static_cast<int>(v[0]), v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9],
+                       v[10], v[11], v[12], v[13], v[14]});
+  }
+  return rows;
+}
+
+torch::Tensor cpu_generator_state() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+// Rewrites consensus.csv without the lines after `last_step` (the interrupted run's).
+void keep_consensus_until(const std::string& path, std::ofstream& out, int64_t last_step) {
+  out.close();
+  std::ifstream in(path);
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    const bool header = line.rfind("step", 0) == 0;
+    if (header || (!line.empty() && std::stoll(line) <= last_step))
+      kept += line + "\n";
+  }
+  in.close();
+  out.open(path, std::ios::trunc);
+  out << (kept.empty() ? std::string("step,consensus_distance\n") : kept) << std::flush;
 }
 
 int run(const Config& cfg) {
@@ -560,8 +726,10 @@ int run(const Config& cfg) {
     std::ofstream(out_dir + "/config.json") << config_json.dump(2) << "\n";
     jsonl.open(out_dir + "/metrics.jsonl", std::ios::trunc);
     csv.open(out_dir + "/metrics.csv", std::ios::trunc);
-    consensus_csv.open(out_dir + "/consensus.csv", std::ios::trunc);
-    consensus_csv << "step,consensus_distance\n";
+    if (cfg.resume.empty()) {  // a resume keeps the lines up to its checkpoint
+      consensus_csv.open(out_dir + "/consensus.csv", std::ios::trunc);
+      consensus_csv << "step,consensus_distance\n";
+    }
     if (!jsonl || !csv)
       throw std::invalid_argument("--output: cannot write to " + out_dir);
     csv << "epoch,train_loss,train_acc,test_acc,local_test_acc,consensus_distance,lr,"
@@ -577,21 +745,51 @@ int run(const Config& cfg) {
     std::fflush(stdout);
   }
 
-  // ---- training ----
-  struct Row {
-    int epoch;
-    double loss, train_acc, test_acc, local_acc, consensus, lr, ips, step_ms, wait_ms, data_ms,
-        sent, received, train_s, wall_s;
-  };
+  // ---- resume: the runner's state, the finished epochs' rows, the generator ----
   std::vector<Row> rows;
+  double train_time = 0, wall_before = 0;
+  int first_epoch = 1;
+  if (!cfg.resume.empty()) {
+    const decent_dp::NamedTensors user = runner->load(cfg.resume);
+    auto get = [&](const std::string& name) {
+      for (const auto& [k, v] : user)
+        if (k == name)
+          return v;
+      throw std::invalid_argument("--resume: " + cfg.resume + " holds no trainer state '" + name +
+                                  "'; expected a checkpoint saved by --checkpoint-every");
+    };
+    first_epoch = static_cast<int>(get("epoch").item<int64_t>()) + 1;
+    train_time = get("train_time_s").item<double>();
+    wall_before = get("wall_time_s").item<double>();
+    rows = rows_from_tensor(get("rows"));
+    {
+      at::Generator gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(get("cpu_generator"));
+    }
+    if (first_epoch > cfg.epochs + 1 || static_cast<int>(rows.size()) != first_epoch - 1)
+      throw std::invalid_argument(
+          fmt::format("--resume: the checkpoint finished epoch {}; --epochs is {}", first_epoch - 1,
+                      cfg.epochs));
+    if (rank == 0) {
+      for (const Row& r : rows)
+        write_row(jsonl, csv, r);
+      keep_consensus_until(out_dir + "/consensus.csv", consensus_csv,
+                           static_cast<int64_t>(first_epoch - 1) * steps_per_epoch);
+      fmt::print("# resumed from {} after epoch {} (step {})\n", cfg.resume, first_epoch - 1,
+                 (first_epoch - 1) * steps_per_epoch);
+      std::fflush(stdout);
+    }
+  }
+
+  // ---- training ----
   const int log_every = cfg.log_every > 0
                             ? cfg.log_every
                             : static_cast<int>(std::max<int64_t>(1, steps_per_epoch / 10));
   const auto start = Clock::now();
-  double train_time = 0;
   uint64_t sent0 = mpi ? mpi->stats().allreduce_bytes_sent : 0;
   uint64_t received0 = mpi ? mpi->stats().allreduce_bytes_received : 0;
-  for (int epoch = 1; epoch <= cfg.epochs; ++epoch) {
+  for (int epoch = first_epoch; epoch <= cfg.epochs; ++epoch) {
     ex::BatchLoader loader(train, sharder.indices(rank, epoch), cfg.batch, train_tf,
                            cfg.seed * 1000003 + static_cast<uint64_t>(rank) * 7919 + epoch);
     const double wait0 = runner->exchange_wait_seconds();
@@ -687,33 +885,10 @@ int run(const Config& cfg) {
     r.sent = sums[10] / world;
     r.received = sums[11] / world;
     r.train_s = train_time;
-    r.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
+    r.wall_s = wall_before + std::chrono::duration<double>(Clock::now() - start).count();
     rows.push_back(r);
     if (rank == 0) {
-      const nlohmann::json j = {{"epoch", r.epoch},
-                                {"train_loss", r.loss},
-                                {"train_acc", r.train_acc},
-                                {"test_acc", r.test_acc},
-                                {"local_test_acc", r.local_acc},
-                                {"consensus_distance", r.consensus},
-                                {"lr", r.lr},
-                                {"images_per_s", r.ips},
-                                {"step_ms", r.step_ms},
-                                {"exchange_wait_ms", r.wait_ms},
-                                {"data_wait_ms", r.data_ms},
-                                {"data_wait_frac", r.data_ms / r.step_ms},
-                                {"bytes_sent_per_rank", r.sent},
-                                {"bytes_received_per_rank", r.received},
-                                {"train_time_s", r.train_s},
-                                {"wall_time_s", r.wall_s}};
-      jsonl << j.dump() << "\n" << std::flush;
-      csv << fmt::format(
-                 "{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6e},{:.6e},{:.2f},{:.3f},{:.3f},{:.3f},"
-                 "{:.5f},{:.0f},{:.0f},{:.3f},{:.3f}\n",
-                 r.epoch, r.loss, r.train_acc, r.test_acc, r.local_acc, r.consensus, r.lr, r.ips,
-                 r.step_ms, r.wait_ms, r.data_ms, r.data_ms / r.step_ms, r.sent, r.received,
-                 r.train_s, r.wall_s)
-          << std::flush;
+      write_row(jsonl, csv, r);
       fmt::print(
           "epoch {}/{}  train loss {:.4f} acc {:.2f}%  test acc {:.2f}% (averaged model), "
           "{:.2f}% (local models)  consensus {:.3e}  {:.1f} ms/step\n",
@@ -721,7 +896,21 @@ int run(const Config& cfg) {
           r.consensus, r.step_ms);
       std::fflush(stdout);
     }
+    if (cfg.checkpoint_every > 0 && epoch % cfg.checkpoint_every == 0) {
+      const std::string dir = out_dir + "/checkpoint";
+      runner->save(dir, {{"epoch", torch::full({1}, epoch, torch::kLong)},
+                         {"train_time_s", torch::full({1}, train_time, torch::kDouble)},
+                         {"wall_time_s", torch::full({1}, r.wall_s, torch::kDouble)},
+                         {"rows", rows_to_tensor(rows)},
+                         {"cpu_generator", cpu_generator_state()}});
+      if (rank == 0) {
+        fmt::print("checkpoint: epoch {} saved to {}\n", epoch, dir);
+        std::fflush(stdout);
+      }
+    }
   }
+  if (rows.empty())
+    throw std::invalid_argument("--resume: the checkpoint has no finished epoch to report");
 
   // ---- summary ----
   if (rank == 0) {

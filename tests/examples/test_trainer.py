@@ -1,6 +1,8 @@
 """The resnet_cifar trainer under mpiexec -n 2 on a small slice of the real Fashion-MNIST data:
 every mode trains one epoch above chance and writes its JSON, CSV and summary; a JSON config
-is read and flags override it; bad settings and missing data end every rank with a message.
+is read and flags override it; a run stopped after a checkpoint and resumed in new processes
+ends exactly where an uninterrupted run does; bad settings and missing data end every rank
+with a message.
 
   python tests/examples/test_trainer.py   (DECENT_DP_BUILD_DIR: the build folder)
 """
@@ -108,6 +110,45 @@ class Trainer(unittest.TestCase):
         self.assertEqual(used["batch"], 16)           # the flag wins
         with open(os.path.join(out, "summary.json")) as f:
             self.assertEqual(json.load(f)["steps_per_epoch"], 512 // 16)
+
+    def test_resume_is_exact(self):
+        # Epoch 1 with a checkpoint, then epoch 2 in new processes from it == two epochs in one
+        # run, to the last bit of every result (the step schedule halves the lr between them).
+        base = ["--train-subset", "1024", "--test-subset", "500", "--progress", "lines",
+                "--threads", "1", "--model", "cnn", "--schedule", "step", "--step-epochs", "1",
+                "--gamma", "0.5"]
+        exact = ["train_loss", "train_acc", "test_acc", "local_test_acc", "consensus_distance",
+                 "lr"]
+        for mode, extra in (("decentralized", ["--topology", "ring", "--consensus-every", "5"]),
+                            ("allreduce", []), ("local", [])):
+            with self.subTest(mode=mode):
+                whole = os.path.join(self.tmp.name, f"whole-{mode}")
+                parts = os.path.join(self.tmp.name, f"parts-{mode}")
+                args = base + ["--mode", mode] + extra
+                r = trainer(args + ["--epochs", "2", "--output", whole])
+                self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+                r = trainer(args + ["--epochs", "1", "--checkpoint-every", "1", "--output", parts])
+                self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+                self.assertIn("checkpoint: epoch 1 saved to", r.stdout)
+                r = trainer(args + ["--epochs", "2", "--output", parts, "--resume",
+                                    os.path.join(parts, "checkpoint")])
+                self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+                self.assertIn("resumed from", r.stdout)
+                rows = {}
+                for name, out in (("whole", whole), ("parts", parts)):
+                    with open(os.path.join(out, "metrics.jsonl")) as f:
+                        rows[name] = [json.loads(line) for line in f]
+                self.assertEqual([x["epoch"] for x in rows["parts"]], [1, 2])
+                for k in exact:
+                    self.assertEqual(rows["parts"][1][k], rows["whole"][1][k], f"{mode}: {k}")
+                with open(os.path.join(parts, "consensus.csv")) as f:
+                    steps = [int(line.split(",")[0]) for line in list(f)[1:]]
+                self.assertEqual(steps, sorted(set(steps)), f"{mode}: consensus.csv repeats")
+        # A folder that holds no checkpoint: every rank ends with the reason.
+        r = trainer(base + ["--resume", os.path.join(self.tmp.name, "nothing"), "--output",
+                            os.path.join(self.tmp.name, "nothing-out")], timeout=120)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("is incomplete or missing", r.stderr)
 
     def test_bad_settings(self):
         cfg = os.path.join(self.tmp.name, "bad.json")
