@@ -2,6 +2,8 @@
 
 #include <ATen/ops/from_blob.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -10,9 +12,12 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 
 #include "decent_dp/detail/allgather.h"
 #include "decent_dp/errors.h"
+
+extern char** environ;  // for posix_spawn
 
 namespace decent_dp {
 namespace detail {
@@ -39,10 +44,51 @@ size_t page_round(size_t bytes) {
   return (std::max<size_t>(bytes, 1) + page - 1) / page * page;
 }
 
+// Note [shared-memory janitor]
+// A segment is unlinked when its tensor is freed, but a process that dies by a signal
+// (SIGKILL, or SIGTERM from mpirun stopping a failed job) frees nothing. So with its first
+// segment a process starts a janitor: `/bin/sh -c 'cat >/dev/null; rm -f
+// /dev/shm/decent_dp.<pid>.*'` reading a pipe whose only write end this process holds
+// (close-on-exec). However the process ends, the kernel closes that end, cat sees end of
+// file and the janitor removes whatever the process left. It runs in a session of its own,
+// so signals sent to the job's process groups do not stop it first, and with every other
+// descriptor closed, so it holds none of the process's sockets open.
+void start_janitor() {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) {
+    return;  // best effort: segments are still unlinked when freed
+  }
+  const std::string script = cat("cat >/dev/null; rm -f /dev/shm/decent_dp.", getpid(), ".*");
+  posix_spawn_file_actions_t actions;
+  posix_spawnattr_t attr;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[0], 0);
+  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+  posix_spawn_file_actions_addclosefrom_np(&actions, 3);
+  posix_spawnattr_init(&attr);
+  sigset_t none, all;
+  sigemptyset(&none);
+  sigfillset(&all);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setsigdefault(&attr, &all);
+  posix_spawnattr_setflags(&attr,
+                           POSIX_SPAWN_SETSID | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  const char* argv[] = {"sh", "-c", script.c_str(), nullptr};
+  pid_t pid = 0;
+  posix_spawn(&pid, "/bin/sh", &actions, &attr, const_cast<char**>(argv), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  close(fds[0]);
+  // fds[1] stays open (close-on-exec) for the life of the process: its end is the signal.
+}
+
 }  // namespace
 
 at::Tensor allocate_shared(int64_t numel, c10::ScalarType dtype, std::string& why) {
   static std::atomic<uint64_t> counter{0};
+  static std::once_flag janitor;
+  std::call_once(janitor, start_janitor);
   const size_t bytes = page_round(static_cast<size_t>(numel) * c10::elementSize(dtype));
   const std::string name = cat("/decent_dp.", getpid(), ".", counter.fetch_add(1));
   const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);

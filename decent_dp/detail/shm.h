@@ -17,8 +17,8 @@
 //
 // The control messages are small MPI messages on the group's communicator and tag, so the
 // operation runs in the progress engine like the ring. Every chunk is reduced once, so all
-// members hold bit-identical results. Segments are unlinked when their tensor is freed; a
-// process killed before that leaves "/dev/shm/decent_dp.<pid>.<n>" behind.
+// members hold bit-identical results. Segments are unlinked when their tensor is freed, and
+// those of a process killed before that by its janitor (Note [shared-memory janitor]).
 #pragma once
 
 #define OMPI_SKIP_MPICXX 1

@@ -1,0 +1,82 @@
+"""A rank that dies by a signal in the middle of a 4-rank gossip job: the job ends promptly and
+non-zero, mpirun names the dead rank, no process of the job survives it and none of its
+shared-memory segments stays in /dev/shm (Note [shared-memory janitor]).
+
+  python tests/faults/test_faults.py   (DECENT_DP_BUILD_DIR: the build folder)
+"""
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import decent_dp_runs as runs  # noqa: E402
+
+BUILD = os.environ.get("DECENT_DP_BUILD_DIR", os.path.join(ROOT, "build"))
+FAULT_RANK = os.path.join(BUILD, "bin", "fault_rank")
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead too: it only waits for its parent to collect it.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(predicate, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+class DyingRank(unittest.TestCase):
+    def run_job(self, sig, die_rank=2, ranks=4):
+        start = time.monotonic()
+        r = subprocess.run(runs.mpirun_prefix(ranks) +
+                           [FAULT_RANK, str(die_rank), str(int(sig)), "20", "100000"],
+                           capture_output=True, text=True, env=runs.mpirun_env(), timeout=240)
+        elapsed = time.monotonic() - start
+        out = r.stdout + r.stderr
+        pids = [int(p) for p in re.findall(r"^rank \d+ pid (\d+)$", r.stdout, re.M)]
+        self.assertEqual(len(pids), ranks, out)
+        self.assertIn(f"rank {die_rank} raising signal {int(sig)}", r.stdout)
+        self.assertNotEqual(r.returncode, 0, out)
+        self.assertNotIn("finished", r.stdout, "a rank trained on after its peer died")
+        # mpirun names the dead rank and how it ended.
+        self.assertRegex(out, rf"rank {die_rank} with PID \d+ .*(signal {int(sig)}|exited)", out)
+        # Prompt: far below any collective timeout (the default is 10 minutes).
+        self.assertLess(elapsed, 60, f"the job took {elapsed:.1f} s to end")
+        # Nothing of the job survives: no rank process, no segment.
+        self.assertTrue(wait_until(lambda: not any(alive(p) for p in pids), 10),
+                        f"processes left behind: {[p for p in pids if alive(p)]}")
+
+        def leftovers():
+            return [f for p in pids for f in glob.glob(f"/dev/shm/decent_dp.{p}.*")]
+
+        self.assertTrue(wait_until(lambda: not leftovers(), 10),
+                        f"segments left in /dev/shm: {leftovers()}")
+        return elapsed
+
+    def test_sigkill(self):
+        print(f"SIGKILL: job ended in {self.run_job(signal.SIGKILL):.1f} s", file=sys.stderr)
+
+    def test_sigterm(self):
+        print(f"SIGTERM: job ended in {self.run_job(signal.SIGTERM):.1f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
