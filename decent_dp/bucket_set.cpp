@@ -3,7 +3,9 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
+#include <unordered_map>
 
 #include "decent_dp/errors.h"
 
@@ -152,7 +154,10 @@ void BucketSet::build(const std::vector<size_t>& order, const std::vector<at::Te
   for (size_t i : order) {
     entries.push_back({i, params[i].numel(), params[i].scalar_type(), params[i].device()});
   }
-  const auto cap = static_cast<int64_t>(options.bucket_cap_mb * (1 << 20));
+  // Caps beyond what int64 bytes hold (up to infinity) mean one bucket per dtype and device.
+  const double cap_bytes = options.bucket_cap_mb * (1 << 20);
+  const int64_t cap = cap_bytes >= 9.0e18 ? std::numeric_limits<int64_t>::max()
+                                          : std::max<int64_t>(1, static_cast<int64_t>(cap_bytes));
   auto specs = plan_buckets(entries, std::max<int64_t>(cap, 1));
   at::NoGradGuard no_grad;
   bucket_of_.assign(params.size(), kNone);
@@ -189,24 +194,35 @@ void BucketSet::attach_optimizers(const optim::OptimFn& optim_fn,
     bucket.optimizer = optim_fn(named);
     DECENT_DP_CHECK_ARG(bucket.optimizer != nullptr,
                         "the optimizer factory returned null for bucket ", b);
-    // The optimizer must step exactly this bucket's tensors.
-    size_t covered = 0;
+    // The optimizer must step exactly this bucket's tensors, each once.
+    std::unordered_map<const c10::TensorImpl*, size_t> position;
+    for (size_t k = 0; k < bucket.optimizer_params.size(); ++k) {
+      position.emplace(bucket.optimizer_params[k].unsafeGetTensorImpl(), k);
+    }
+    std::vector<char> stepped(bucket.optimizer_params.size(), 0);
     for (const auto& group : bucket.optimizer->param_groups()) {
       for (const auto& p : group.params()) {
-        const bool ours =
-            std::any_of(bucket.optimizer_params.begin(), bucket.optimizer_params.end(),
-                        [&](const at::Tensor& q) { return q.is_same(p); });
-        DECENT_DP_CHECK_ARG(ours,
+        const auto it = position.find(p.unsafeGetTensorImpl());
+        DECENT_DP_CHECK_ARG(it != position.end(),
                             "the optimizer factory returned an optimizer over tensors "
                             "that are not the parameters it was given (bucket ",
                             b, ")");
-        ++covered;
+        DECENT_DP_CHECK_ARG(!stepped[it->second],
+                            "the optimizer factory returned an optimizer "
+                            "that lists parameter '",
+                            bucket.names[it->second], "' twice (bucket ", b,
+                            "); expected each of its ", bucket.optimizer_params.size(),
+                            " parameters exactly once");
+        stepped[it->second] = 1;
       }
     }
-    DECENT_DP_CHECK_ARG(covered == bucket.optimizer_params.size(),
-                        "the optimizer factory returned an optimizer over ", covered,
-                        " tensors for bucket ", b, ", expected its ",
-                        bucket.optimizer_params.size(), " parameters");
+    for (size_t k = 0; k < stepped.size(); ++k) {
+      DECENT_DP_CHECK_ARG(stepped[k],
+                          "the optimizer factory returned an optimizer that omits "
+                          "parameter '",
+                          bucket.names[k], "' (bucket ", b, "); expected each of its ",
+                          bucket.optimizer_params.size(), " parameters exactly once");
+    }
     if (scheduler_fn) {
       bucket.scheduler = scheduler_fn(*bucket.optimizer);
       DECENT_DP_CHECK_ARG(bucket.scheduler != nullptr,
@@ -246,6 +262,36 @@ void update_bucket(Bucket& bucket, const ParamBinding& binding, double grad_clip
     bucket.scheduler->step();
   }
   binding.after_update(bucket);
+}
+
+void record_versions(Bucket& bucket) {
+  bucket.versions.resize(bucket.params.size());
+  for (size_t k = 0; k < bucket.params.size(); ++k) {
+    bucket.versions[k] = bucket.params[k]._version();
+  }
+}
+
+void check_untouched(const Bucket& bucket, const ParamBinding& binding, const char* who) {
+  for (size_t k = 0; k < bucket.params.size(); ++k) {
+    const at::Tensor& p = bucket.params[k];
+    if (binding.as_view() && p.data_ptr() != bucket.storage.param_views[k].data_ptr()) {
+      throw Error(detail::cat(
+          who, ": parameter '", bucket.names[k],
+          "' no longer lives in its bucket's memory (loaded with torch::load, moved with .to() "
+          "or given new data with set_data() after the first backward?), so the wrapper would "
+          "train memory the model no longer uses. Load checkpoints with the wrapper's load(), "
+          "and move or replace parameters before wrapping the module"));
+    }
+    if (bucket.work && k < bucket.versions.size() && p._version() != bucket.versions[k]) {
+      throw Error(detail::cat(
+          who, ": parameter '", bucket.names[k], "' was written in place after update ",
+          bucket.exchange_update,
+          ", while that update's exchange is in flight: mixing its result in would undo the "
+          "write (Note [writes between steps]). Change parameters inside the optimizer's step, "
+          "or call global_avg(false) first (it settles the exchanges; every rank then holds "
+          "the mean)"));
+    }
+  }
 }
 
 }  // namespace decent_dp

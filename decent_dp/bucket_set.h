@@ -41,6 +41,7 @@ struct Bucket {
   std::shared_ptr<Work> work;              // exchange in flight (or done, not yet applied)
   const topology::Group* group = nullptr;  // the group of that exchange (gossip)
   int64_t exchange_update = 0;             // the update that launched it
+  std::vector<int64_t> versions;           // params' version counters after the last update
   std::unique_ptr<ExchangeState> exchange_state;
 };
 
@@ -122,6 +123,21 @@ class BucketSet {
   std::vector<size_t> bucket_of_;
   std::vector<size_t> position_of_;
 };
+
+// Note [writes between steps]
+// A gossip bucket's exchange in flight carries the parameters as they were after update u,
+// and the next update mixes its result in: with the block swap the parameters become the
+// group's mean, so an in-place write between the two (weight clipping, surgery) would be
+// silently undone. The wrappers therefore record every parameter's version counter after
+// their own writes and, before the next step uses the bucket, refuse a changed one while an
+// exchange is pending (the all-reduce wrapper has none between steps, so writes there are
+// simply kept). With the view binding they also check that each parameter still lives in
+// its bucket's block: torch::load into the module, .to() or set_data() after the first
+// backward re-point it, and the wrapper would go on training memory the model no longer
+// uses. Writes through .data() bypass the version counter and are not seen.
+void record_versions(Bucket& bucket);
+// Throws Error naming `who`, the parameter and what to do instead.
+void check_untouched(const Bucket& bucket, const ParamBinding& binding, const char* who);
 
 // One bucket's update (spec §2 step 3): clip its gradient norm to `grad_clip_norm` (> 0),
 // step its optimizer, release its gradients, step its scheduler.

@@ -159,6 +159,9 @@ void DataParallelCore::before_forward() {
   if (!is_training() || accumulate_ || !torch::autograd::GradMode::is_enabled()) {
     return;
   }
+  for (const Bucket& b : buckets_) {
+    check_untouched(b, *binding_, who_);  // Note [writes between steps]
+  }
   ready_->arm();
   ++steps_;
 }
@@ -217,6 +220,7 @@ void DataParallelCore::on_bucket(size_t b) {
 void DataParallelCore::take_update(Bucket& bucket) {
   at::NoGradGuard no_grad;
   update_bucket(bucket, *binding_, options_.grad_clip_norm);
+  record_versions(bucket);
 }
 
 void DataParallelCore::synchronize() {
@@ -279,12 +283,19 @@ std::vector<at::Tensor> DataParallelCore::averaged_buffers() {
 
 double DataParallelCore::global_avg_impl(bool will_revert, bool return_d2c) {
   synchronize();  // pending results stay in the communication blocks
-  return averager_.global_avg(buckets_, *binding_, *data_, averaged_buffers(), will_revert,
-                              return_d2c);
+  const double d = averager_.global_avg(buckets_, *binding_, *data_, averaged_buffers(),
+                                        will_revert, return_d2c);
+  for (Bucket& b : buckets_) {
+    record_versions(b);
+  }
+  return d;
 }
 
 void DataParallelCore::revert_global_avg_impl() {
   averager_.revert(buckets_, *binding_, averaged_buffers());
+  for (Bucket& b : buckets_) {
+    record_versions(b);
+  }
 }
 
 double DataParallelCore::consensus_distance_impl() {
@@ -401,6 +412,9 @@ NamedTensors DataParallelCore::load(const std::string& dir) {
     state_archive::read_buckets(ar, buckets_, *exchange_);
     steps_ = state_archive::read_int(ar, "steps");
     updates_ = state_archive::read_int(ar, "updates");
+    for (Bucket& b : buckets_) {
+      record_versions(b);
+    }
     if (gossip_ != nullptr) {
       gossip_->set_adaptive_factor(state_archive::read_double(ar, "adaptive_factor"));
     }

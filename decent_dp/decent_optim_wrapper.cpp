@@ -127,6 +127,9 @@ at::Tensor DecentOptimWrapper::step(LossClosure closure) {
                       "DecentOptimWrapper::step: closures are not supported (the exchange must "
                       "run exactly once per step); call backward() yourself, then step()");
   at::NoGradGuard no_grad;
+  for (const Bucket& b : buckets_) {
+    check_untouched(b, *binding_, "DecentOptimWrapper");  // Note [writes between steps]
+  }
   sync_learning_rates();
   const int64_t u = steps_ + 1;  // this update's number
   for (Bucket& b : buckets_) {
@@ -134,6 +137,7 @@ at::Tensor DecentOptimWrapper::step(LossClosure closure) {
   }
   inner_->step();
   for (Bucket& b : buckets_) {
+    record_versions(b);
     gossip_->launch(b, u);  // exchange u after update u, on slot u mod P (spec §2, §10)
   }
   ++steps_;
@@ -149,10 +153,16 @@ void DecentOptimWrapper::global_avg(bool may_revert) {
     gossip_->wait(b);
   }
   averager_.global_avg(buckets_, *binding_, *data_, {}, may_revert, /*return_d2c=*/false);
+  for (Bucket& b : buckets_) {
+    record_versions(b);
+  }
 }
 
 void DecentOptimWrapper::revert_global_avg() {
   averager_.revert(buckets_, *binding_, {});
+  for (Bucket& b : buckets_) {
+    record_versions(b);
+  }
 }
 
 CheckpointManifest DecentOptimWrapper::manifest() const {
@@ -233,6 +243,9 @@ NamedTensors DecentOptimWrapper::load(const std::string& dir) {
     }
     state_archive::read_buckets(ar, buckets_, *gossip_);
     steps_ = state_archive::read_int(ar, "steps");
+    for (Bucket& b : buckets_) {
+      record_versions(b);
+    }
     user = state_archive::read_user_state(ar);
   } catch (const std::exception& e) {
     error = e.what();

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <stdexcept>
 
 #include "decent_dp/errors.h"
@@ -15,7 +16,8 @@ std::string read(const char* name) {
   return v == nullptr ? std::string() : std::string(v);
 }
 
-int64_t read_int(const char* name, int64_t fallback, int64_t min_value) {
+int64_t read_int(const char* name, int64_t fallback, int64_t min_value,
+                 int64_t max_value = std::numeric_limits<int64_t>::max()) {
   const std::string text = read(name);
   if (text.empty()) {
     return fallback;
@@ -27,9 +29,9 @@ int64_t read_int(const char* name, int64_t fallback, int64_t min_value) {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != text.size() || value < min_value) {
-    throw InvalidArgument(detail::cat("environment variable ", name,
-                                      " must be an integer >= ", min_value, ", got '", text, "'"));
+  if (used != text.size() || value < min_value || value > max_value) {
+    throw InvalidArgument(detail::cat("environment variable ", name, " must be an integer in [",
+                                      min_value, ", ", max_value, "], got '", text, "'"));
   }
   return value;
 }
@@ -42,13 +44,13 @@ std::string log_level() {
 }
 
 int64_t timeout_ms() {
-  static const int64_t value = read_int("DECENT_DP_TIMEOUT_MS", 600000, 1);
+  static const int64_t value = read_int("DECENT_DP_TIMEOUT_MS", 600000, 1, kMaxTimeoutMs);
   return value;
 }
 
 int64_t shutdown_timeout_ms() {
-  static const int64_t value =
-      read_int("DECENT_DP_SHUTDOWN_TIMEOUT_MS", std::min<int64_t>(30000, timeout_ms()), 1);
+  static const int64_t value = read_int("DECENT_DP_SHUTDOWN_TIMEOUT_MS",
+                                        std::min<int64_t>(30000, timeout_ms()), 1, kMaxTimeoutMs);
   return value;
 }
 

@@ -20,6 +20,9 @@
 namespace decent_dp {
 namespace env {
 
+// The longest timeout anything accepts (about 31 years): deadlines stay representable.
+constexpr int64_t kMaxTimeoutMs = 1000000000000;
+
 std::string log_level();
 int64_t timeout_ms();
 int64_t shutdown_timeout_ms();

@@ -3,9 +3,11 @@
 #include <ATen/ops/empty.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 
+#include "decent_dp/env.h"
 #include "decent_dp/errors.h"
 #include "decent_dp/logging.h"
 
@@ -44,7 +46,8 @@ void Exchange::wait(Bucket& bucket) {
 }
 
 void Exchange::drain(BucketSet& buckets, std::chrono::milliseconds timeout) noexcept {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::min(timeout, std::chrono::milliseconds(env::kMaxTimeoutMs));
   size_t abandoned = 0;
   for (Bucket& b : buckets) {
     if (!b.work || b.work->is_completed()) {

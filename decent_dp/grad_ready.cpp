@@ -94,11 +94,17 @@ void GradReady::reset_counting() {
 
 void GradReady::on_ready(size_t i) {
   if (!armed_) {
-    if (backward_done_ && handlers_.stray_backward_is_error()) {
+    if (handlers_.stray_backward_is_error()) {
       throw Error(
-          "a second backward within one step: call forward() before each backward() (use "
-          "no_sync() / set_accumulate_grad(true) to accumulate gradients over several "
-          "backwards)");
+          detail::cat(who_, ": the gradient of '", names_[i],
+                      "' arrived with no forward() of the wrapper "
+                      "before this backward: ",
+                      backward_done_ ? "a second backward within one step, or a backward through "
+                                       "the wrapped module's own forward()? "
+                                     : "a backward through the wrapped module's own forward()? ",
+                      "Call the wrapper's forward() (not the module's) before each backward(); use "
+                      "no_sync() / set_accumulate_grad(true) to accumulate gradients over several "
+                      "backwards"));
     }
     return;  // accumulating, or not a training step
   }

@@ -546,19 +546,117 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int r
                           {tensor});
   char* data = static_cast<char*>(tensor.data_ptr());
   const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
-  MPI_Comm comm = d.world;
-  return d.submit_once(work, [data, bytes, root, comm] {
+  // Note [checked broadcast]: point-to-point messages on the world group under one tag,
+  // assigned when the operation starts (in submission order, as for the all-reduce), so
+  // concurrent broadcasts never cross. Stage 0: the root sends its (elements, dtype);
+  // stage 1: every rank tells the root whether its tensor matches; stage 2: the root tells
+  // every rank whether all did; stage 3: the root sends the payload to each rank (a
+  // broadcast is a setup operation: n - 1 copies from the root are fine). A size or dtype
+  // that differs from the root's is then an error on every rank instead of a silent partial
+  // copy on some.
+  struct State {
+    int64_t header[2] = {0, 0};
+    std::vector<int32_t> verdicts;
+    int32_t agree = 1;
+    int32_t all_agree = 0;
+    int tag = 0;
+    int stage = 0;
+  };
+  auto st = std::make_shared<State>();
+  const int64_t numel = tensor.numel();
+  const auto dtype = static_cast<int64_t>(tensor.scalar_type());
+  Impl::GroupComm* group = &d.world_group;
+  const std::string mine = cat(numel, " x ", dtype_name(tensor));
+  return d.submit(work, [st, group, data, bytes, numel, dtype, root, mine] {
     std::vector<MPI_Request> requests;
-    int64_t offset = 0;
-    do {
-      const int64_t count = std::min(kMaxChunk, bytes - offset);
-      MPI_Request request = MPI_REQUEST_NULL;
-      DECENT_DP_MPI_CHECK(
-          MPI_Ibcast(data + offset, static_cast<int>(count), MPI_BYTE, root, comm, &request));
-      requests.push_back(request);
-      offset += count;
-    } while (offset < bytes);
-    return requests;
+    const int me = group->index;
+    const int n = group->size;
+    MPI_Comm comm = group->comm;
+    MPI_Request r = MPI_REQUEST_NULL;
+    switch (st->stage++) {
+      case 0:
+        st->tag = static_cast<int>(group->sequence++ % 32768u);
+        st->header[0] = numel;
+        st->header[1] = dtype;
+        for (int m = 0; m < n; ++m) {
+          if (me == root && m != root) {
+            DECENT_DP_MPI_CHECK(MPI_Isend(st->header, 2, MPI_INT64_T, m, st->tag, comm, &r));
+            requests.push_back(r);
+          }
+        }
+        if (me != root) {
+          DECENT_DP_MPI_CHECK(MPI_Irecv(st->header, 2, MPI_INT64_T, root, st->tag, comm, &r));
+          requests.push_back(r);
+        }
+        return requests;
+      case 1:
+        st->agree = st->header[0] == numel && st->header[1] == dtype ? 1 : 0;
+        if (me == root) {
+          st->verdicts.assign(n, 1);
+          for (int m = 0; m < n; ++m) {
+            if (m != root) {
+              DECENT_DP_MPI_CHECK(
+                  MPI_Irecv(&st->verdicts[m], 1, MPI_INT32_T, m, st->tag, comm, &r));
+              requests.push_back(r);
+            }
+          }
+        } else {
+          DECENT_DP_MPI_CHECK(MPI_Isend(&st->agree, 1, MPI_INT32_T, root, st->tag, comm, &r));
+          requests.push_back(r);
+        }
+        return requests;
+      case 2:
+        if (me == root) {
+          st->all_agree = 1;
+          for (int32_t v : st->verdicts) {
+            st->all_agree = std::min(st->all_agree, v);
+          }
+          for (int m = 0; m < n; ++m) {
+            if (m != root) {
+              DECENT_DP_MPI_CHECK(MPI_Isend(&st->all_agree, 1, MPI_INT32_T, m, st->tag, comm, &r));
+              requests.push_back(r);
+            }
+          }
+        } else {
+          DECENT_DP_MPI_CHECK(MPI_Irecv(&st->all_agree, 1, MPI_INT32_T, root, st->tag, comm, &r));
+          requests.push_back(r);
+        }
+        return requests;
+      case 3: {
+        if (st->all_agree == 0) {
+          const std::string roots =
+              cat(st->header[0], " x ", c10::toString(static_cast<c10::ScalarType>(st->header[1])));
+          throw InvalidArgument(
+              st->agree == 0 ? cat("broadcast: rank ", me, " holds ", mine, ", the root (rank ",
+                                   root, ") sends ", roots,
+                                   "; every rank must pass a tensor of the root's size and dtype")
+                             : cat("broadcast: another rank's tensor differs from the root's ",
+                                   roots, " (rank ", root, "); that rank's error names it"));
+        }
+        for (int m = 0; m < n; ++m) {
+          if (m == me || (me != root && m != root)) {
+            continue;
+          }
+          int64_t offset = 0;
+          do {
+            const int64_t count = std::min(kMaxChunk, bytes - offset);
+            if (me == root) {
+              DECENT_DP_MPI_CHECK(MPI_Isend(data + offset, static_cast<int>(count), MPI_BYTE, m,
+                                            st->tag, comm, &r));
+              requests.push_back(r);
+            } else {
+              DECENT_DP_MPI_CHECK(MPI_Irecv(data + offset, static_cast<int>(count), MPI_BYTE, root,
+                                            st->tag, comm, &r));
+              requests.push_back(r);
+            }
+            offset += count;
+          } while (offset < bytes);
+        }
+        return requests;
+      }
+      default:
+        return requests;
+    }
   });
 }
 

@@ -1,5 +1,8 @@
 #include "decent_dp/work.h"
 
+#include <algorithm>
+
+#include "decent_dp/env.h"
 #include "decent_dp/errors.h"
 
 namespace decent_dp {
@@ -28,7 +31,8 @@ void Work::wait() {
 void Work::wait(std::chrono::milliseconds timeout) {
   DECENT_DP_CHECK_ARG(timeout.count() > 0, "Work::wait: timeout must be > 0 ms, got ",
                       timeout.count(), " ms");
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::min(timeout, std::chrono::milliseconds(env::kMaxTimeoutMs));
   std::unique_lock<std::mutex> lock(mutex_);
   if (done_) {
     if (error_) {
