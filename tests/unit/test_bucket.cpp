@@ -3,9 +3,11 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <thread>
 
 #include "decent_dp/bucket.h"
 #include "decent_dp/bucket_set.h"
+#include "decent_dp/env.h"
 #include "decent_dp/exchange.h"
 #include "decent_dp/optim/adam.h"
 
@@ -195,4 +197,24 @@ TEST_CASE("shutdown waits one deadline for all buckets, not one per bucket", "[b
   const auto t1 = std::chrono::steady_clock::now();
   decent_dp::Exchange::drain(set, std::chrono::milliseconds(400));
   CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count() < 0.2);
+}
+
+TEST_CASE("a wait of the longest timeout waits instead of timing out at once", "[work]") {
+  // now() + milliseconds::max() overflows the clock: the deadline must saturate.
+  auto work = std::make_shared<Work>("test operation", std::vector<at::Tensor>{},
+                                     std::chrono::milliseconds::max());
+  std::thread finisher([work] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    work->finish();
+  });
+  CHECK_NOTHROW(work->wait());
+  CHECK_NOTHROW(work->wait(std::chrono::milliseconds::max()));
+  finisher.join();
+}
+
+// Run by ctest with DECENT_DP_TIMEOUT_MS set far beyond any representable deadline.
+TEST_CASE("a timeout beyond the longest allowed is refused, naming the variable", "[.env]") {
+  CHECK_THROWS_WITH(env::timeout_ms(),
+                    Catch::Contains("DECENT_DP_TIMEOUT_MS must be an integer in [1, "
+                                    "1000000000000], got '9223372036854775000'"));
 }
