@@ -24,6 +24,7 @@
 #include <fstream>
 #include <map>
 
+#include "benchmarks/bench_util.h"
 #include "decent_dp/mpi_communicator.h"
 #include "decent_dp/topology/topology.h"
 
@@ -31,18 +32,29 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-int64_t parse_size(const std::string& text) {
+// "4", "64K", "1M", "2G" in bytes; throws std::invalid_argument naming `flag` otherwise.
+int64_t parse_size(const std::string& text, const char* flag) {
   size_t used = 0;
-  double v = std::stod(text, &used);
-  std::string unit = text.substr(used);
+  double v = -1;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = used > 0 ? text.substr(used) : std::string();
+  if (used == 0 || !(v >= 0) ||
+      !(unit.empty() || unit == "K" || unit == "k" || unit == "M" || unit == "m" || unit == "G" ||
+        unit == "g")) {
+    throw std::invalid_argument(std::string(flag) +
+                                ": expected a size in bytes such as 4, 64K, 1M or 2G, got '" +
+                                text + "'");
+  }
   if (unit == "K" || unit == "k")
     v *= 1024;
   else if (unit == "M" || unit == "m")
     v *= 1024.0 * 1024;
   else if (unit == "G" || unit == "g")
     v *= 1024.0 * 1024 * 1024;
-  else if (!unit.empty())
-    throw CLI::ValidationError("size", "unknown unit in '" + text + "'");
   return static_cast<int64_t>(v);
 }
 
@@ -126,8 +138,22 @@ int main(int argc, char** argv) {
                  "between ranks of a node); private: ordinary memory (the ring over MPI messages)")
       ->check(CLI::IsMember({"shared", "private"}));
   CLI11_PARSE(app, argc, argv);
-  const int64_t min_bytes = std::max<int64_t>(4, parse_size(min_text));
-  const int64_t max_bytes = parse_size(max_text);
+  if (const std::string bad = decent_dp::bench::check_writable(json_path, "-J/--json");
+      !bad.empty()) {
+    std::fprintf(stderr, "error: %s\n", bad.c_str());
+    return 2;
+  }
+  int64_t min_bytes = 0, max_bytes = 0;
+  try {
+    min_bytes = std::max<int64_t>(4, parse_size(min_text, "-b/--minbytes"));
+    max_bytes = parse_size(max_text, "-e/--maxbytes");
+    if (max_bytes < min_bytes)
+      throw std::invalid_argument("-e/--maxbytes: expected at least -b/--minbytes (" +
+                                  std::to_string(min_bytes) + " bytes), got '" + max_text + "'");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  }
 
   at::set_num_threads(1);
   decent_dp::MpiCommunicator comm;
@@ -255,13 +281,13 @@ int main(int argc, char** argv) {
       MPI_Comm_free(&raw);
     }
   }
-  if (rank == 0 && !json_path.empty()) {
-    std::ofstream(json_path) << nlohmann::json{{"world_size", n},
-                                               {"iters", iters},
-                                               {"warmup", warmup},
-                                               {"results", results}}
-                                    .dump(2)
-                             << "\n";
+  if (rank == 0 && !json_path.empty() &&
+      !decent_dp::bench::write_json(
+          json_path,
+          nlohmann::json{
+              {"world_size", n}, {"iters", iters}, {"warmup", warmup}, {"results", results}},
+          "-J/--json")) {
+    return 1;
   }
   return 0;
 }

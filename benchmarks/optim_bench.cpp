@@ -16,6 +16,7 @@
 #include <chrono>
 #include <fstream>
 
+#include "benchmarks/bench_util.h"
 #include "decent_dp/optim/adam.h"
 #include "decent_dp/optim/factories.h"
 #include "decent_dp/optim/sgd.h"
@@ -128,6 +129,11 @@ int main(int argc, char** argv) {
   app.add_option("-t,--threads", threads, "intra-op threads")->check(CLI::PositiveNumber);
   app.add_option("-J,--json", json_path, "also write the results as JSON");
   CLI11_PARSE(app, argc, argv);
+  if (const std::string bad = decent_dp::bench::check_writable(json_path, "-J/--json");
+      !bad.empty()) {
+    std::fprintf(stderr, "error: %s\n", bad.c_str());
+    return 2;
+  }
   at::set_num_threads(threads);
 
   const auto shapes = resnet50_shapes();
@@ -221,14 +227,14 @@ int main(int argc, char** argv) {
     decent_dp::optim::SGD ours(flat.params, decent_dp::optim::SGDOptions(0.1).momentum(0.9));
     report("decent_dp SGD momentum (flat)", time_ms([&] { ours.step(); }, iters), 20, base);
   }
-  if (!json_path.empty()) {
-    std::ofstream(json_path) << nlohmann::json{{"numel", numel},
-                                               {"tensors", shapes.size()},
-                                               {"threads", threads},
-                                               {"copy_GBps", copy_gbps},
-                                               {"rows", rows}}
-                                    .dump(2)
-                             << "\n";
+  if (!json_path.empty() && !decent_dp::bench::write_json(json_path,
+                                                          nlohmann::json{{"numel", numel},
+                                                                         {"tensors", shapes.size()},
+                                                                         {"threads", threads},
+                                                                         {"copy_GBps", copy_gbps},
+                                                                         {"rows", rows}},
+                                                          "-J/--json")) {
+    return 1;
   }
   return 0;
 }

@@ -31,6 +31,7 @@
 
 #include <time.h>
 
+#include "benchmarks/bench_util.h"
 #include "decent_dp/decent_dp.h"
 #include "examples/common/models.h"
 
@@ -118,6 +119,11 @@ int main(int argc, char** argv) {
   app.add_flag("--no-local-barrier", no_local_barrier, "skip the local + barrier case");
   app.add_flag("--no-ddp", no_ddp, "skip the DistributedDataParallel case");
   CLI11_PARSE(app, argc, argv);
+  if (const std::string bad = decent_dp::bench::check_writable(json_path, "-J/--json");
+      !bad.empty()) {
+    std::fprintf(stderr, "error: %s\n", bad.c_str());
+    return 2;
+  }
   at::set_num_threads(threads);
 
   auto comm = decent_dp::default_communicator();
@@ -273,14 +279,15 @@ int main(int argc, char** argv) {
                     {"caller_cpu_ms_per_step", main_cpu},
                     {"other_threads_cpu_ms_per_step", other_cpu}});
   }
-  if (rank == 0 && !json_path.empty()) {
-    std::ofstream(json_path) << nlohmann::json{{"model", model_name},
-                                               {"ranks", n},
-                                               {"batch", batch},
-                                               {"threads", threads},
-                                               {"rows", rows}}
-                                    .dump(2)
-                             << "\n";
+  if (rank == 0 && !json_path.empty() &&
+      !decent_dp::bench::write_json(json_path,
+                                    nlohmann::json{{"model", model_name},
+                                                   {"ranks", n},
+                                                   {"batch", batch},
+                                                   {"threads", threads},
+                                                   {"rows", rows}},
+                                    "-J/--json")) {
+    return 1;
   }
   return 0;
 }

@@ -50,6 +50,10 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--dtype-bytes", dtype_bytes, "bytes per parameter")->check(CLI::PositiveNumber);
   app.add_flag("--json", json, "print JSON instead of text");
+  int gap_max_n = 512;
+  app.add_option("--spectral-gap-max-n", gap_max_n,
+                 "compute the spectral gap only up to this world size (dense O(n^3); 0: never)")
+      ->check(CLI::NonNegativeNumber);
   bool list = false;
   app.add_flag("--list", list, "list the registered topologies and exit");
   CLI11_PARSE(app, argc, argv);
@@ -68,7 +72,12 @@ int main(int argc, char** argv) {
     out["world_size"] = n;
     out["local_world_size"] = lws;
     out["period"] = topo->period();
-    out["spectral_gap"] = topo->spectral_gap();
+    const bool gap = n <= gap_max_n;
+    if (gap) {
+      out["spectral_gap"] = topo->spectral_gap();
+    } else {
+      out["spectral_gap"] = nullptr;
+    }
     out["model_bytes"] = model_bytes;
     double total_max_bytes = 0.0;
     for (int s = 0; s < topo->period(); ++s) {
@@ -88,8 +97,10 @@ int main(int argc, char** argv) {
       std::cout << out.dump(2) << "\n";
       return 0;
     }
-    fmt::print("topology {} (n = {}, lws = {}): period {}, spectral gap {:.6f}\n", topo->name(), n,
-               lws, topo->period(), topo->spectral_gap());
+    fmt::print("topology {} (n = {}, lws = {}): period {}, spectral gap {}\n", topo->name(), n, lws,
+               topo->period(),
+               gap ? fmt::format("{:.6f}", out["spectral_gap"].get<double>())
+                   : fmt::format("not computed (n > --spectral-gap-max-n = {})", gap_max_n));
     for (int s = 0; s < topo->period(); ++s) {
       const Slot& sl = topo->slot(s);
       std::vector<std::string> weights;

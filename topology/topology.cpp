@@ -201,6 +201,12 @@ std::vector<std::vector<int>> Topology::distinct_groups() const {
 std::vector<double> Topology::mixing_matrix(int s) const {
   const Slot& sl = slot(s);
   const int n = world_size_;
+  if (n > kMaxDenseWorldSize) {
+    throw InvalidArgument(fmt::format(
+        "topology '{}': mixing matrices and the spectral gap are dense n x n; n must be <= {}, "
+        "got {}",
+        name_, kMaxDenseWorldSize, n));
+  }
   std::vector<double> w(static_cast<size_t>(n) * n, 0.0);
   for (const auto& g : sl) {
     const double peer = g.peer_weight();

@@ -69,10 +69,14 @@ class Topology {
   // Communicators create one sub-communicator per entry, collectively and in this order.
   std::vector<std::vector<int>> distinct_groups() const;
 
+  // The largest world size mixing_matrix() and spectral_gap() accept (dense n x n
+  // matrices: 128 MiB each at this size).
+  static constexpr int kMaxDenseWorldSize = 4096;
   // Row-major n*n mixing matrix W of slot s: x(after) = W x(before).
   std::vector<double> mixing_matrix(int s) const;
   // Spectral gap 1 - |lambda_2| of the product of one period's mixing matrices: 1 means
-  // exact consensus after one period, 0 means the ranks never agree.
+  // exact consensus after one period, 0 means the ranks never agree. Dense: O(n^3) per
+  // squaring (about a second at n = 256, minutes beyond 1000).
   double spectral_gap() const;
 
   // Checks the world-size constraints and that every slot is a partition of 0..n-1 with

@@ -6,7 +6,9 @@
 //   mpirun -n 4 --oversubscribe build/bin/decentralized_training --topology ring --steps 200
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
+
 #include <CLI/CLI.hpp>
+#include <algorithm>
 
 #include <cstdio>
 
@@ -59,7 +61,7 @@ int main(int argc, char** argv) {
       auto [x, y] = sample(gen, batch);
       auto loss = torch::mse_loss(model.forward(x), y);
       loss.backward();  // buckets step and start their exchanges inside backward
-      if (step % (steps / 5) == 0 || step == 1) {
+      if (step % std::max(1, steps / 5) == 0 || step == 1) {
         const double consensus = model.consensus_distance();  // collective
         if (comm->rank() == 0) {
           std::printf("step %4d  loss %.5f  lr %.5f  consensus distance %.3e\n", step,

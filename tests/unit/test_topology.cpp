@@ -304,3 +304,10 @@ TEST_CASE("distinct groups list every group once in first-appearance order", "[t
   auto ring2 = make_topology("ring", 2, 1);
   CHECK(ring2->distinct_groups() == GroupList{{0, 1}});
 }
+
+TEST_CASE("dense matrices of huge worlds are refused with the limit, not bad_alloc", "[topology]") {
+  auto topo = make_topology("complete", 100000, 1);
+  CHECK(topo->period() == 1);
+  CHECK_THROWS_WITH(topo->mixing_matrix(0), Catch::Contains("n must be <= 4096, got 100000"));
+  CHECK_THROWS_WITH(topo->spectral_gap(), Catch::Contains("n must be <= 4096, got 100000"));
+}
