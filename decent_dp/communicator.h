@@ -25,11 +25,13 @@ struct AllreduceOptions {
   ReduceOp op = ReduceOp::kSum;
   std::vector<int> ranks;                // the group, ascending; empty: every rank
   std::chrono::milliseconds timeout{0};  // of the returned Work; 0: the communicator's
+  std::string label{};  // what it is for, e.g. "bucket 2, exchange of update 17": in messages
 };
 
 struct AllgatherOptions {
   std::vector<int> ranks;                // the group, ascending; empty: every rank
   std::chrono::milliseconds timeout{0};  // of the returned Work; 0: the communicator's
+  std::string label{};                   // as AllreduceOptions::label
 };
 
 // Call-order contract (as c10d's): every member of a group issues that group's collectives
@@ -67,11 +69,11 @@ class Communicator {
   // Shorthands: in place, and out of place on group `ranks`.
   std::shared_ptr<Work> allreduce(const at::Tensor& tensor, const std::vector<int>& ranks,
                                   ReduceOp op) {
-    return allreduce(tensor, tensor, AllreduceOptions{op, ranks, {}});
+    return allreduce(tensor, tensor, AllreduceOptions{op, ranks, {}, {}});
   }
   std::shared_ptr<Work> allreduce(const at::Tensor& input, const at::Tensor& output,
                                   const std::vector<int>& ranks, ReduceOp op) {
-    return allreduce(input, output, AllreduceOptions{op, ranks, {}});
+    return allreduce(input, output, AllreduceOptions{op, ranks, {}, {}});
   }
   // Asynchronous broadcast of `tensor` from world rank `root` to every rank.
   virtual std::shared_ptr<Work> broadcast(const at::Tensor& tensor, int root) = 0;

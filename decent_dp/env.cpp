@@ -54,6 +54,11 @@ int64_t shutdown_timeout_ms() {
   return value;
 }
 
+int64_t stall_warn_ms() {
+  static const int64_t value = read_int("DECENT_DP_STALL_WARN_MS", 60000, 0, kMaxTimeoutMs);
+  return value;
+}
+
 int64_t progress_interval_us() {
   static const int64_t value = read_int("DECENT_DP_PROGRESS_INTERVAL_US", 50, 0);
   return value;

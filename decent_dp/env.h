@@ -5,6 +5,8 @@
 //   DECENT_DP_SHUTDOWN_TIMEOUT_MS  how long a wrapper's or communicator's destructor lets
 //                                exchanges in flight finish, all of them together
 //                                (default min(30000, DECENT_DP_TIMEOUT_MS))
+//   DECENT_DP_STALL_WARN_MS      a wait on one operation logs a warning naming it each
+//                                time this long passes (default 60000; 0: never)
 //   DECENT_DP_PROGRESS_INTERVAL_US  sleep between two polls of the MPI progress thread
 //                                while nobody waits, in microseconds        (default 50)
 //   DECENT_DP_SHM                1 | 0: ranks of one node exchange the wrappers' buffers
@@ -26,6 +28,7 @@ constexpr int64_t kMaxTimeoutMs = 1000000000000;
 std::string log_level();
 int64_t timeout_ms();
 int64_t shutdown_timeout_ms();
+int64_t stall_warn_ms();
 int64_t progress_interval_us();
 bool shared_memory();
 

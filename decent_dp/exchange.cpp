@@ -95,9 +95,13 @@ void AllReduceExchange::on_bucket_ready(Bucket& bucket, int64_t update,
   launch(bucket, update);
 }
 
-void AllReduceExchange::launch(Bucket& bucket, int64_t /*update*/) {
-  bucket.work = comm_->allreduce(bucket.storage.grads, bucket.storage.grads,
-                                 AllreduceOptions{ReduceOp::kAvg, {}, {}});
+void AllReduceExchange::launch(Bucket& bucket, int64_t update) {
+  bucket.work = comm_->allreduce(
+      bucket.storage.grads, bucket.storage.grads,
+      AllreduceOptions{ReduceOp::kAvg,
+                       {},
+                       {},
+                       detail::cat("bucket ", bucket.index, ", gradients of update ", update)});
   awaiting_.push_back(&bucket);
 }
 
@@ -167,8 +171,12 @@ void GossipExchange::launch(Bucket& bucket, int64_t update) {
   }
   // Out of place: the parameter block is the input (it does not change until this bucket's
   // next update, which first waits for the exchange), the communication block the output.
-  bucket.work = comm_->allreduce(bucket.storage.params, bucket.storage.comm,
-                                 AllreduceOptions{ReduceOp::kAvg, group.ranks, {}});
+  bucket.work = comm_->allreduce(
+      bucket.storage.params, bucket.storage.comm,
+      AllreduceOptions{ReduceOp::kAvg,
+                       group.ranks,
+                       {},
+                       detail::cat("bucket ", bucket.index, ", exchange of update ", update)});
 }
 
 // Between steps the exchange of the last update is the only state in flight: the fast path
@@ -245,7 +253,10 @@ void GossipExchange::launch_gather(Bucket& bucket, const topology::Group& group,
         at::TensorOptions().dtype(payload.scalar_type()).device(bucket.spec.device));
   }
   state.launched_update = update;
-  bucket.work = comm_->allgather(received, payload, AllgatherOptions{group.ranks, {}});
+  bucket.work = comm_->allgather(
+      received, payload,
+      AllgatherOptions{
+          group.ranks, {}, detail::cat("bucket ", bucket.index, ", exchange of update ", update)});
 }
 
 void GossipExchange::apply_gather(Bucket& bucket, int64_t /*update*/) {

@@ -472,7 +472,8 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
   const int64_t k = static_cast<int64_t>(ranks.size());
   auto work = d.make_work(
       cat("allreduce(", to_string(op), ", ", tensor.numel(), " x ", dtype_name(tensor),
-          ") on group ", ranks_to_string(ranks), " (rank ", d.rank, ")"),
+          ") on group ", ranks_to_string(ranks), " (rank ", d.rank,
+          options.label.empty() ? "" : ", ", options.label, ")"),
       in_place ? std::vector<at::Tensor>{tensor} : std::vector<at::Tensor>{tensor, output},
       options.timeout);
   if (k == 1) {
@@ -676,7 +677,8 @@ std::shared_ptr<Work> MpiCommunicator::allgather(const at::Tensor& output, const
                       " * ", input.numel(), " = ", input.numel() * k, " elements, got ",
                       output.numel());
   auto work = d.make_work(cat("allgather(", input.numel(), " x ", dtype_name(input), ") on group ",
-                              ranks_to_string(ranks), " (rank ", d.rank, ")"),
+                              ranks_to_string(ranks), " (rank ", d.rank,
+                              options.label.empty() ? "" : ", ", options.label, ")"),
                           {output, input}, options.timeout);
   const char* in = static_cast<const char*>(input.data_ptr());
   char* out = static_cast<char*>(output.data_ptr());

@@ -4,6 +4,7 @@
 
 #include "decent_dp/env.h"
 #include "decent_dp/errors.h"
+#include "decent_dp/logging.h"
 
 namespace decent_dp {
 
@@ -46,9 +47,23 @@ void Work::wait(std::chrono::milliseconds timeout) {
     Work* work;
     ~EndWait() { work->on_wait_end(); }
   } end_wait{this};
+  // Note [stall watchdog]: a wait that takes much longer than a step says so, naming the
+  // operation (its group, bucket and update), long before the hard timeout ends the job.
+  const auto warn_every = std::chrono::milliseconds(env::stall_warn_ms());
+  auto next_warning = std::chrono::steady_clock::now() + warn_every;
   lock.lock();
   while (!done_) {
     const auto now = std::chrono::steady_clock::now();
+    if (warn_every.count() > 0 && now >= next_warning && now < deadline) {
+      const auto waited = std::chrono::duration_cast<std::chrono::seconds>(now - start_);
+      const auto left = std::chrono::duration_cast<std::chrono::seconds>(deadline - now);
+      DECENT_DP_LOG_WARN(detail::cat(
+          "still waiting for ", description_, " ", waited.count(),
+          " s after its launch (a member of the group may have stopped, left the training "
+          "loop or fallen far behind); it times out in ",
+          left.count(), " s (DECENT_DP_STALL_WARN_MS, DECENT_DP_TIMEOUT_MS)"));
+      next_warning = now + warn_every;
+    }
     if (now >= deadline) {
       const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(now - start_);
       throw TimeoutError(

@@ -1,5 +1,6 @@
 // A gossip training job in which one rank dies on purpose, for tests/faults/test_faults.py:
 //   mpiexec -n 4 fault_rank <die rank> <signal number> <die at step> <steps>
+// Signal 0 stalls the rank for three seconds instead.
 // Every rank prints "rank <r> pid <pid>" first, so the driver can check that no process
 // and no shared-memory segment of the job outlives it.
 #include <torch/torch.h>
@@ -11,7 +12,18 @@
 
 #include "decent_dp/decent_dp.h"
 
+int run(int argc, char** argv);
+
 int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;  // mpirun then ends the other ranks
+  }
+}
+
+int run(int argc, char** argv) {
   if (argc != 5) {
     std::fprintf(stderr, "usage: fault_rank <die rank> <signal> <die at step> <steps>\n");
     return 2;
@@ -36,9 +48,15 @@ int main(int argc, char** argv) {
   torch::manual_seed(rank);
   for (int step = 0; step < steps; ++step) {
     if (rank == die_rank && step == die_step) {
-      std::printf("rank %d raising signal %d at step %d\n", rank, sig, step);
-      std::fflush(stdout);
-      std::raise(sig);
+      if (sig == 0) {  // a stall, not a death: three seconds behind its peers
+        std::printf("rank %d stalling at step %d\n", rank, step);
+        std::fflush(stdout);
+        ::sleep(3);
+      } else {
+        std::printf("rank %d raising signal %d at step %d\n", rank, sig, step);
+        std::fflush(stdout);
+        std::raise(sig);
+      }
     }
     auto x = torch::randn({32, 64});
     auto y = torch::randint(10, {32});

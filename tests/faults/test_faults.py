@@ -71,6 +71,39 @@ class DyingRank(unittest.TestCase):
                         f"segments left in /dev/shm: {leftovers()}")
         return elapsed
 
+    def test_stall_is_reported_long_before_the_timeout(self):
+        # Rank 2 falls 3 s behind: its peers' waits say so after 0.5 s, naming the operation,
+        # its group, bucket and update; then training goes on and the job ends cleanly.
+        env = runs.mpirun_env()
+        env["DECENT_DP_STALL_WARN_MS"] = "500"
+        r = subprocess.run(runs.mpirun_prefix(4) + [FAULT_RANK, "2", "0", "20", "40"],
+                           capture_output=True, text=True, env=env, timeout=240)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertRegex(r.stderr, r"still waiting for allreduce\(avg, \d+ x Float\) on group "
+                         r"\[[0-9,]*2[0-9,]*\] \(rank \d, bucket \d+, exchange of update \d+\) "
+                         r"\d+ s after its launch")
+        self.assertEqual(r.stdout.count("finished 40 steps"), 4)
+
+    def test_stopped_rank_times_out_everywhere(self):
+        # SIGSTOP: the peers warn, then time out after DECENT_DP_TIMEOUT_MS naming the stalled
+        # exchange, and the job ends (mpirun kills the stopped rank too).
+        env = runs.mpirun_env()
+        env["DECENT_DP_STALL_WARN_MS"] = "500"
+        env["DECENT_DP_TIMEOUT_MS"] = "3000"
+        start = time.monotonic()
+        r = subprocess.run(runs.mpirun_prefix(4) +
+                           [FAULT_RANK, "1", str(int(signal.SIGSTOP)), "20", "100000"],
+                           capture_output=True, text=True, env=env, timeout=240)
+        elapsed = time.monotonic() - start
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("still waiting for", r.stderr)
+        self.assertRegex(r.stderr, r"on group \[[0-9,]*1[0-9,]*\] \(rank \d, bucket \d+, "
+                         r"exchange of update \d+\) did not complete within the timeout of 3000 ms")
+        self.assertLess(elapsed, 60)
+        pids = [int(p) for p in re.findall(r"^rank \d+ pid (\d+)$", r.stdout, re.M)]
+        self.assertTrue(wait_until(lambda: not any(alive(p) for p in pids), 10),
+                        f"processes left behind: {[p for p in pids if alive(p)]}")
+
     def test_sigkill(self):
         print(f"SIGKILL: job ended in {self.run_job(signal.SIGKILL):.1f} s", file=sys.stderr)
 
