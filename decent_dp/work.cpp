@@ -55,13 +55,13 @@ void Work::wait(std::chrono::milliseconds timeout) {
   while (!done_) {
     const auto now = std::chrono::steady_clock::now();
     if (warn_every.count() > 0 && now >= next_warning && now < deadline) {
-      const auto waited = std::chrono::duration_cast<std::chrono::seconds>(now - start_);
-      const auto left = std::chrono::duration_cast<std::chrono::seconds>(deadline - now);
+      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - start_);
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
       DECENT_DP_LOG_WARN(detail::cat(
           "still waiting for ", description_, " ", waited.count(),
-          " s after its launch (a member of the group may have stopped, left the training "
+          " ms after its launch (a member of the group may have stopped, left the training "
           "loop or fallen far behind); it times out in ",
-          left.count(), " s (DECENT_DP_STALL_WARN_MS, DECENT_DP_TIMEOUT_MS)"));
+          left.count(), " ms (DECENT_DP_STALL_WARN_MS, DECENT_DP_TIMEOUT_MS)"));
       next_warning = now + warn_every;
     }
     if (now >= deadline) {

@@ -81,7 +81,7 @@ class DyingRank(unittest.TestCase):
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         self.assertRegex(r.stderr, r"still waiting for allreduce\(avg, \d+ x Float\) on group "
                          r"\[[0-9,]*2[0-9,]*\] \(rank \d, bucket \d+, exchange of update \d+\) "
-                         r"\d+ s after its launch")
+                         r"\d+ ms after its launch")
         self.assertEqual(r.stdout.count("finished 40 steps"), 4)
 
     def test_stopped_rank_times_out_everywhere(self):
