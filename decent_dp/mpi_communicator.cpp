@@ -8,7 +8,10 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <random>
 #include <thread>
+
+#include <unistd.h>
 
 #include "decent_dp/detail/allgather.h"
 #include "decent_dp/detail/mpi_check.h"
@@ -127,9 +130,19 @@ class MpiWork final : public Work {
           std::chrono::milliseconds timeout, std::shared_ptr<detail::ProgressEngine> engine)
       : Work(std::move(description), std::move(tensors), timeout), engine_(std::move(engine)) {}
 
+  // The operation's number on its group (assigned when it starts; -1 before).
+  void set_sequence(int64_t s) { sequence_.store(s); }
+  int64_t sequence() const { return sequence_.load(); }
+  // Called from every blocked wait: checks the peers' departure notices (Note [departure
+  // notices]) and throws when a member will never take part.
+  std::function<void()> check_peers;
+
  protected:
   // Note [MPI progress engine]: a waiting caller advances the operations itself.
   bool drive_progress() override {
+    if (check_peers) {
+      check_peers();
+    }
     switch (engine_->try_progress()) {
       case detail::ProgressEngine::PollResult::kPolled:
         return true;
@@ -146,6 +159,7 @@ class MpiWork final : public Work {
 
  private:
   std::shared_ptr<detail::ProgressEngine> engine_;
+  std::atomic<int64_t> sequence_{-1};
 };
 
 struct MpiCommunicator::Impl {
@@ -193,6 +207,7 @@ struct MpiCommunicator::Impl {
     int index = 0;  // this rank's position in the group
     int size = 0;
     uint32_t sequence = 0;
+    std::vector<int> ranks;  // the members, ascending
   };
   // Sub-communicators by member list, written under groups_mutex by make_groups. Entries
   // are never erased while the communicator lives, so pointers to them stay valid.
@@ -227,10 +242,16 @@ struct MpiCommunicator::Impl {
         std::move(complete));
   }
 
-  std::shared_ptr<Work> make_work(std::string description, std::vector<at::Tensor> tensors,
-                                  std::chrono::milliseconds op_timeout = {}) {
+  std::shared_ptr<MpiWork> make_work(std::string description, std::vector<at::Tensor> tensors,
+                                     std::chrono::milliseconds op_timeout = {}) {
     return std::make_shared<MpiWork>(std::move(description), std::move(tensors),
                                      op_timeout.count() > 0 ? op_timeout : timeout, engine);
+  }
+  // Its waits fail as soon as a member of `group` has left for good (Note [departure
+  // notices]).
+  void watch(MpiWork& work, const GroupComm* group) {
+    MpiWork* w = &work;
+    work.check_peers = [this, group, w] { check_departed(group, *w); };
   }
 
   // Checks that `ranks` is a group this rank can use in `op_name`: distinct ascending ranks
@@ -274,6 +295,153 @@ struct MpiCommunicator::Impl {
     return it == groups.end() ? nullptr : &it->second;
   }
 
+  // Note [departure notices]
+  // A rank whose communicator shuts down (the process finishes, or leaves the training loop
+  // and exits) sends every other rank one small message on a communicator of their own:
+  // for each of its groups, how many operations it has started there. A peer blocked on
+  // an operation of such a group that the departed rank never started (its number on the
+  // group is at least that count) fails at once, naming the rank, the group and what it
+  // waited for, instead of waiting out the timeout. Operations it did start complete as
+  // usual. Waiting threads look for notices (at most every 10 ms) while they wait.
+  // A communicator freed with notices still unreceived may hand its context to the next one
+  // made, so each notice carries the identity all ranks agreed on at construction and a
+  // notice of another communicator is dropped.
+  static constexpr int kNoticeTag = 7;
+  MPI_Comm notices = MPI_COMM_NULL;
+  int64_t identity = 0;
+  std::mutex notices_mutex;  // one prober at a time
+  std::chrono::steady_clock::time_point next_probe{};
+  std::mutex departed_mutex;
+  std::map<int, std::map<std::vector<int>, uint32_t>> departed;  // rank -> group -> started
+  std::atomic<bool> any_departed{false};
+
+  void poll_notices() {
+    std::unique_lock<std::mutex> lock(notices_mutex, std::try_to_lock);
+    if (!lock.owns_lock() || notices == MPI_COMM_NULL) {
+      return;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_probe) {
+      return;
+    }
+    next_probe = now + std::chrono::milliseconds(10);
+    for (;;) {
+      int flag = 0;
+      MPI_Status status;
+      if (MPI_Iprobe(MPI_ANY_SOURCE, kNoticeTag, notices, &flag, &status) != MPI_SUCCESS ||
+          flag == 0) {
+        return;
+      }
+      int count = 0;
+      MPI_Get_count(&status, MPI_INT64_T, &count);
+      std::vector<int64_t> msg(static_cast<size_t>(std::max(count, 0)));
+      if (MPI_Recv(msg.data(), count, MPI_INT64_T, status.MPI_SOURCE, kNoticeTag, notices,
+                   MPI_STATUS_IGNORE) != MPI_SUCCESS) {
+        return;
+      }
+      if (msg.size() < 2 || msg[0] != identity) {
+        continue;  // a notice of an earlier communicator (see above)
+      }
+      std::map<std::vector<int>, uint32_t> started;
+      size_t i = 2;
+      for (int64_t g = 0; g < msg[1] && i < msg.size(); ++g) {
+        const auto k = static_cast<size_t>(msg[i++]);
+        if (i + k + 1 > msg.size()) {
+          break;
+        }
+        std::vector<int> members(msg.begin() + static_cast<int64_t>(i),
+                                 msg.begin() + static_cast<int64_t>(i + k));
+        i += k;
+        started[members] = static_cast<uint32_t>(msg[i++]);
+      }
+      {
+        std::lock_guard<std::mutex> guard(departed_mutex);
+        departed[status.MPI_SOURCE] = std::move(started);
+      }
+      any_departed.store(true);
+      DECENT_DP_LOG_DEBUG(cat("rank ", status.MPI_SOURCE, " has left"));
+    }
+  }
+
+  void check_departed(const GroupComm* group, const MpiWork& work) {
+    poll_notices();
+    if (!any_departed.load() || group == nullptr) {
+      return;
+    }
+    const int64_t seq = work.sequence();
+    if (seq < 0) {
+      return;  // not started yet: checked once it is
+    }
+    std::lock_guard<std::mutex> guard(departed_mutex);
+    for (int m : group->ranks) {
+      const auto it = departed.find(m);
+      if (it == departed.end()) {
+        continue;
+      }
+      const auto g = it->second.find(group->ranks);
+      const uint32_t started = g == it->second.end() ? 0 : g->second;
+      if (static_cast<uint32_t>(seq) >= started) {
+        throw CommError(
+            cat("rank ", m,
+                " has left: its communicator shut down (the process finished, or left "
+                "the training loop and exited) after starting ",
+                started, " operation(s) on group ", ranks_to_string(group->ranks),
+                ", and this rank waits for ", work.description(), ", operation ", seq,
+                " there, which rank ", m,
+                " will never start. Every rank must run the same number of steps (stop all ranks "
+                "at the smallest number of batches, or pad the data)"));
+      }
+    }
+  }
+
+  // At shutdown, with the engine stopped: this rank's notice to every other rank.
+  void announce_departure() {
+    if (notices == MPI_COMM_NULL || size <= 1) {
+      return;
+    }
+    std::vector<int64_t> msg = {identity, 0};
+    auto add = [&msg](const GroupComm& g) {
+      ++msg[1];
+      msg.push_back(static_cast<int64_t>(g.ranks.size()));
+      msg.insert(msg.end(), g.ranks.begin(), g.ranks.end());
+      msg.push_back(static_cast<int64_t>(g.sequence));
+    };
+    add(world_group);
+    {
+      std::lock_guard<std::mutex> lock(groups_mutex);
+      for (const auto& kv : groups) {
+        add(kv.second);
+      }
+    }
+    std::vector<MPI_Request> requests;
+    for (int r = 0; r < size; ++r) {
+      MPI_Request req = MPI_REQUEST_NULL;
+      if (r != rank && MPI_Isend(msg.data(), static_cast<int>(msg.size()), MPI_INT64_T, r,
+                                 kNoticeTag, notices, &req) == MPI_SUCCESS) {
+        requests.push_back(req);
+      }
+    }
+    // Small messages leave at once; a peer that is gone must not hold this exit up.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    int done = 0;
+    while (!requests.empty() &&
+           MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                       MPI_STATUSES_IGNORE) == MPI_SUCCESS &&
+           done == 0 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    for (MPI_Request& req : requests) {
+      if (req != MPI_REQUEST_NULL) {
+        MPI_Request_free(&req);
+      }
+    }
+    next_probe = {};
+    poll_notices();  // take the notices that arrived (every rank leaves at the end of a run)
+  }
+
+  // The notices communicator is never freed: peers that leave later still send to it, and a
+  // message arriving for a freed communicator can meet the next communicator that reuses
+  // its context (Open MPI then crashes creating that one). It lives until MPI_Finalize.
   void free_communicators() {
     std::lock_guard<std::mutex> lock(groups_mutex);
     for (auto& kv : groups) {
@@ -311,6 +479,15 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
       for (int r = 0; r < d.size; ++r) {
         d.world_ranks.push_back(r);
       }
+      d.world_group.ranks = d.world_ranks;
+      DECENT_DP_MPI_CHECK(MPI_Comm_dup(d.world, &d.notices));
+      DECENT_DP_MPI_CHECK(MPI_Comm_set_errhandler(d.notices, MPI_ERRORS_RETURN));
+      if (d.rank == 0) {
+        std::random_device entropy;
+        d.identity = static_cast<int64_t>((static_cast<uint64_t>(entropy()) << 32) ^ entropy() ^
+                                          static_cast<uint64_t>(getpid()));
+      }
+      DECENT_DP_MPI_CHECK(MPI_Bcast(&d.identity, 1, MPI_INT64_T, 0, d.world));
       MPI_Comm local = MPI_COMM_NULL;
       DECENT_DP_MPI_CHECK(
           MPI_Comm_split_type(d.world, MPI_COMM_TYPE_SHARED, d.rank, MPI_INFO_NULL, &local));
@@ -352,7 +529,19 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
 
 MpiCommunicator::~MpiCommunicator() {
   Impl& d = *impl_;
-  const bool clean = d.engine->stop();
+  // Once a peer has left, operations it never started will not finish: do not wait the
+  // whole shutdown timeout for them.
+  const bool clean =
+      d.any_departed.load() ? d.engine->stop(std::chrono::milliseconds(2000)) : d.engine->stop();
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) {
+    // The program finalized MPI itself before this communicator went away: no MPI call is
+    // allowed any more, and nothing is left to free.
+    release_mpi(false);
+    return;
+  }
+  d.announce_departure();
   if (clean) {
     d.free_communicators();
   }
@@ -443,6 +632,7 @@ void MpiCommunicator::make_groups(const std::vector<std::vector<int>>& groups) {
       entry.comm = comm;
       entry.size = static_cast<int>(g.size());
       entry.index = static_cast<int>(std::lower_bound(g.begin(), g.end(), d.rank) - g.begin());
+      entry.ranks = g;
       std::lock_guard<std::mutex> lock(d.groups_mutex);
       d.groups[g] = entry;
     }
@@ -506,10 +696,13 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
   std::atomic<uint64_t>* counter_shared = &d.shared_allreduces;
   std::atomic<uint64_t>* counter_sent = &d.allreduce_bytes_sent;
   std::atomic<uint64_t>* counter_received = &d.allreduce_bytes_received;
+  MpiWork* started = work.get();
+  d.watch(*work, group);
   Next next = [state, engine, peers, counter_ring, counter_shared, counter_sent, counter_received,
-               group, input, data, numel, dtype, average, try_shared] {
+               group, input, data, numel, dtype, average, try_shared, started] {
     auto& [ring, shared] = *state;
     if (!ring && !shared) {
+      started->set_sequence(group->sequence);
       const int tag = static_cast<int>(group->sequence++ % 32768u);
       if (try_shared) {
         shared = std::make_unique<detail::ShmAllreduce>(input, data, numel, dtype, average,
@@ -568,7 +761,9 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int r
   const auto dtype = static_cast<int64_t>(tensor.scalar_type());
   Impl::GroupComm* group = &d.world_group;
   const std::string mine = cat(numel, " x ", dtype_name(tensor));
-  return d.submit(work, [st, group, data, bytes, numel, dtype, root, mine] {
+  MpiWork* started = work.get();
+  d.watch(*work, group);
+  return d.submit(work, [st, group, data, bytes, numel, dtype, root, mine, started] {
     std::vector<MPI_Request> requests;
     const int me = group->index;
     const int n = group->size;
@@ -576,6 +771,7 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int r
     MPI_Request r = MPI_REQUEST_NULL;
     switch (st->stage++) {
       case 0:
+        started->set_sequence(group->sequence);
         st->tag = static_cast<int>(group->sequence++ % 32768u);
         st->header[0] = numel;
         st->header[1] = dtype;
@@ -695,9 +891,12 @@ std::shared_ptr<Work> MpiCommunicator::allgather(const at::Tensor& output, const
   auto op = std::make_shared<std::unique_ptr<detail::GroupAllgather>>();
   detail::PeerSegmentCache* peers = &d.peers;
   Impl* impl = &d;
-  return d.submit(work, [op, impl, peers, group, in, out, bytes, try_shared] {
+  MpiWork* started = work.get();
+  d.watch(*work, group);
+  return d.submit(work, [op, impl, peers, group, in, out, bytes, try_shared, started] {
     auto& gather = *op;
     if (!gather) {
+      started->set_sequence(group->sequence);
       const int tag = static_cast<int>(group->sequence++ % 32768u);
       gather = std::make_unique<detail::GroupAllgather>(in, out, bytes, group->comm, group->index,
                                                         group->size, tag, try_shared, *peers);

@@ -252,8 +252,18 @@ void ProgressEngine::thread_main() {
 }
 
 bool ProgressEngine::stop() {
+  std::chrono::milliseconds drain{};
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
+    drain = drain_timeout_;
+  }
+  return stop(drain);
+}
+
+bool ProgressEngine::stop(std::chrono::milliseconds drain) {
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    drain_timeout_ = std::min(drain_timeout_, drain);
     stop_ = true;
   }
   cv_.notify_all();

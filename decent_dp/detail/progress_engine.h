@@ -57,6 +57,9 @@ class ProgressEngine {
   // Finishes (or, after drain_timeout, fails) every operation and joins the thread.
   // Returns false when operations had to be abandoned in flight.
   bool stop();
+  // As stop(), letting operations finish for at most `drain` (for when a peer is known to
+  // have left, so some never will).
+  bool stop(std::chrono::milliseconds drain);
 
   void enqueue(std::unique_ptr<Op> op);
   enum class PollResult { kPolled, kBusy, kStopped };
@@ -77,7 +80,7 @@ class ProgressEngine {
   void fail_all(std::exception_ptr error);
 
   const std::chrono::microseconds interval_;
-  const std::chrono::milliseconds drain_timeout_;
+  std::chrono::milliseconds drain_timeout_;  // guarded by queue_mutex_ once the thread runs
   const int rank_;
 
   std::mutex token_;

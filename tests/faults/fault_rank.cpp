@@ -1,6 +1,7 @@
 // A gossip training job in which one rank dies on purpose, for tests/faults/test_faults.py:
 //   mpiexec -n 4 fault_rank <die rank> <signal number> <die at step> <steps>
-// Signal 0 stalls the rank for three seconds instead.
+// Signal 0 stalls the rank for three seconds instead; -1 makes it leave the loop and exit
+// normally, as a rank with fewer batches does.
 // Every rank prints "rank <r> pid <pid>" first, so the driver can check that no process
 // and no shared-memory segment of the job outlives it.
 #include <torch/torch.h>
@@ -48,6 +49,11 @@ int run(int argc, char** argv) {
   torch::manual_seed(rank);
   for (int step = 0; step < steps; ++step) {
     if (rank == die_rank && step == die_step) {
+      if (sig < 0) {  // fewer batches than its peers: leaves the loop and exits normally
+        std::printf("rank %d leaving after %d steps\n", rank, step);
+        std::fflush(stdout);
+        return 0;
+      }
       if (sig == 0) {  // a stall, not a death: three seconds behind its peers
         std::printf("rank %d stalling at step %d\n", rank, step);
         std::fflush(stdout);

@@ -104,6 +104,22 @@ class DyingRank(unittest.TestCase):
         self.assertTrue(wait_until(lambda: not any(alive(p) for p in pids), 10),
                         f"processes left behind: {[p for p in pids if alive(p)]}")
 
+    def test_rank_that_leaves_early_is_named_at_once(self):
+        # Rank 2 has fewer batches: it leaves after 20 steps and exits normally. The ranks
+        # still waiting on it fail within seconds (the timeout is 10 minutes), naming it.
+        start = time.monotonic()
+        r = subprocess.run(runs.mpirun_prefix(4) + [FAULT_RANK, "2", "-1", "20", "100000"],
+                           capture_output=True, text=True, env=runs.mpirun_env(), timeout=240)
+        elapsed = time.monotonic() - start
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("rank 2 leaving after 20 steps", r.stdout)
+        self.assertRegex(r.stderr, r"rank 2 has left: its communicator shut down .* after "
+                         r"starting \d+ operation\(s\) on group \[[0-9,]*2[0-9,]*\], and this "
+                         r"rank waits for allreduce\(avg, \d+ x Float\) on group .*exchange of "
+                         r"update \d+\)")
+        self.assertLess(elapsed, 30, f"the job took {elapsed:.1f} s to end")
+        print(f"early exit: job ended in {elapsed:.1f} s", file=sys.stderr)
+
     def test_sigkill(self):
         print(f"SIGKILL: job ended in {self.run_job(signal.SIGKILL):.1f} s", file=sys.stderr)
 
