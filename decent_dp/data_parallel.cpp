@@ -162,6 +162,10 @@ void DataParallelCore::before_forward() {
   for (const Bucket& b : buckets_) {
     check_untouched(b, *binding_, who_);  // Note [writes between steps]
   }
+  if (join_enabled_) {
+    ready_->check_not_failed();
+    agree_active(true);  // Note [join]: matches a joined rank's shadow step
+  }
   ready_->arm();
   ++steps_;
 }
@@ -424,6 +428,71 @@ NamedTensors DataParallelCore::load(const std::string& dir) {
   }
   checkpoint::agree(*control_, what, error);
   return user;
+}
+
+// Note [join]
+// Ranks with different numbers of batches. While join is enabled every step begins with an
+// all-reduce (sum) of one flag over all ranks: 1 from a rank that trains the step, 0 from a
+// rank that has joined. A joined rank loops: agree; if nobody trains, stop; otherwise
+// shadow the step, taking part in every bucket's exchange in bucket order exactly as a
+// training rank's backward does (the same slot, the same groups, the same order of
+// operations on every communicator). What it contributes:
+//   gossip      its parameters as they are; it mixes the group's result in (spec §2) but
+//               takes no optimizer step, so joined ranks keep receiving their peers' progress
+//   all-reduce  zero gradients (a backward in which no gradient arrived, spec §7); it takes
+//               the averaged update like everyone else, so all ranks stay identical
+// The agreement costs one small collective per step, only while join is enabled.
+void DataParallelCore::enable_join() {
+  check_between_steps("enable_join");
+  join_enabled_ = true;
+}
+
+int64_t DataParallelCore::agree_active(bool active) {
+  at::Tensor flag = at::empty({1}, at::kLong);
+  flag.data_ptr<int64_t>()[0] = active ? 1 : 0;
+  if (control_->size() > 1) {
+    control_->allreduce(flag, flag, AllreduceOptions{ReduceOp::kSum, {}, {}, "join agreement"})
+        ->wait();
+  }
+  return flag.data_ptr<int64_t>()[0];
+}
+
+void DataParallelCore::shadow_step() {
+  at::NoGradGuard no_grad;
+  const int64_t u = updates_ + 1;
+  for (Bucket& b : buckets_) {
+    if (mode_ == ExchangeMode::kGossip) {
+      binding_->load_block(b);
+      exchange_->apply(b, u);
+      binding_->store_block(b);
+      exchange_->launch(b, u);
+      record_versions(b);
+    } else {
+      on_bucket(b.index);  // no gradient arrived: zeros, the all-reduce, the update
+    }
+  }
+  exchange_->progress(/*block=*/true, [this](Bucket& x) { take_update(x); });
+  ++updates_;
+}
+
+void DataParallelCore::join() {
+  DECENT_DP_CHECK_ARG(join_enabled_, who_,
+                      "::join: join is not enabled; call enable_join() on every rank before "
+                      "the training loop");
+  check_between_steps("join");
+  DECENT_DP_CHECK_ARG(!buckets_.empty(), who_,
+                      "::join: this rank has not trained a single step; every rank needs at "
+                      "least one batch (the first step builds the buckets on all ranks)");
+  shadowed_steps_ = 0;
+  while (agree_active(false) > 0) {
+    shadow_step();
+    ++shadowed_steps_;
+  }
+  join_enabled_ = false;
+  if (shadowed_steps_ > 0) {
+    DECENT_DP_LOG_INFO(detail::cat(who_, ": joined after update ", updates_ - shadowed_steps_,
+                                   "; shadowed ", shadowed_steps_, " step(s) of the other ranks"));
+  }
 }
 
 }  // namespace decent_dp

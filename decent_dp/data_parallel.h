@@ -124,6 +124,22 @@ class DataParallelCore : public torch::nn::Module {
   // Waits for every exchange in flight (their results are applied by the next update).
   void synchronize();
 
+  // Uneven inputs (Note [join]). Every rank calls enable_join() before its training loop;
+  // from then on each training forward first agrees with the other ranks that some rank
+  // still trains (one all-reduce of one integer over all ranks per step). A rank that runs
+  // out of data calls join(): until every rank has joined it shadows the others' steps, so
+  // no exchange waits for it — in gossip mode it contributes its parameters to its groups
+  // and mixes their result in without an optimizer step; in all-reduce mode it contributes
+  // zero gradients (the mean is over all ranks) and takes the update, staying identical to
+  // the others. join() returns once every rank has joined; it turns the agreement off (call
+  // enable_join() again for the next loop). Collectives of your own (consensus_distance(),
+  // global_avg()) must wait until every rank has joined.
+  void enable_join();
+  void join();
+  bool join_enabled() const { return join_enabled_; }
+  // Steps this rank shadowed in its last join().
+  int64_t shadowed_steps() const { return shadowed_steps_; }
+
   // Checkpoint (Note [checkpoint] in checkpoint.h, docs/checkpoint.md). Collective: every
   // rank calls it between two steps with the same folder. Saves this rank's parameters and
   // buffers, the bucket plan, each bucket's optimizer and scheduler state, the step and
@@ -159,6 +175,8 @@ class DataParallelCore : public torch::nn::Module {
  private:
   void build_buckets();
   void check_between_steps(const char* what) const;
+  int64_t agree_active(bool active);
+  void shadow_step();
   void on_bucket(size_t b);
   void take_update(Bucket& bucket);
   std::vector<at::Tensor> averaged_buffers();
@@ -184,6 +202,8 @@ class DataParallelCore : public torch::nn::Module {
   std::vector<std::string> unused_;
 
   bool accumulate_ = false;
+  bool join_enabled_ = false;
+  int64_t shadowed_steps_ = 0;
   int64_t steps_ = 0;
   int64_t updates_ = 0;
 };
