@@ -595,13 +595,36 @@ void MpiCommunicator::make_groups(const std::vector<std::vector<int>>& groups) {
   }
   mix(groups.size());
 
-  std::vector<int64_t> all_hashes(d.size, 0);
-  const int64_t my_hash = static_cast<int64_t>(hash);
-  d.run_blocking("make_groups", [&] {
-    DECENT_DP_MPI_CHECK(
-        MPI_Allgather(&my_hash, 1, MPI_INT64_T, all_hashes.data(), 1, MPI_INT64_T, d.world));
+  // First every rank's hash, without blocking (a rank that never arrives, for example
+  // because its constructor threw first, then costs the timeout instead of a hang); once all
+  // agree, the members of each group create its communicator together.
+  struct State {
+    int64_t mine = 0;
+    std::vector<int64_t> all;
+    int stage = 0;
+  };
+  auto st = std::make_shared<State>();
+  st->mine = static_cast<int64_t>(hash);
+  st->all.assign(d.size, 0);
+  Impl* impl = &d;
+  auto work = d.make_work(cat("make_groups(", groups.size(), " groups) over all ", d.size,
+                              " ranks (rank ", d.rank, ")"),
+                          {});
+  d.submit(work, [st, impl, groups] {
+    Impl& d = *impl;
+    std::vector<MPI_Request> requests;
+    if (st->stage++ == 0) {
+      MPI_Request r = MPI_REQUEST_NULL;
+      DECENT_DP_MPI_CHECK(
+          MPI_Iallgather(&st->mine, 1, MPI_INT64_T, st->all.data(), 1, MPI_INT64_T, d.world, &r));
+      requests.push_back(r);
+      return requests;
+    }
+    if (st->stage > 2) {
+      return requests;
+    }
     for (int r = 0; r < d.size; ++r) {
-      if (all_hashes[r] != all_hashes[0]) {
+      if (st->all[r] != st->all[0]) {
         throw InvalidArgument(cat("make_groups: rank ", r,
                                   " passed a different list of groups than rank 0; every rank "
                                   "must pass the same lists in the same order"));
@@ -637,7 +660,9 @@ void MpiCommunicator::make_groups(const std::vector<std::vector<int>>& groups) {
       d.groups[g] = entry;
     }
     MPI_Group_free(&world_group);
+    return requests;
   });
+  work->wait();
 }
 
 std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const at::Tensor& output,

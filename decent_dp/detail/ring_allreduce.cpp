@@ -14,7 +14,8 @@ namespace detail {
 namespace {
 
 // Built for AVX-512, AVX2 and baseline x86-64; the loader picks the best the CPU has.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(DECENT_DP_NO_MULTIVERSION)
 #define DECENT_DP_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define DECENT_DP_MULTIVERSION

@@ -329,6 +329,25 @@ TEST_CASE("make_groups rejects lists that differ across ranks", "[mpi]") {
                     Catch::Contains("passed a different list of groups than rank 0"));
 }
 
+TEST_CASE("make_groups honours the timeout when a rank arrives late", "[mpi]") {
+  MpiOptions o;
+  o.timeout = std::chrono::milliseconds(500);
+  MpiCommunicator c(o);
+  if (c.size() < 2) {
+    return;
+  }
+  std::vector<std::vector<int>> groups = {{0, 1}};
+  if (c.rank() == 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    c.make_groups(groups);
+  } else {
+    // It used to block inside MPI_Allgather, past any timeout, until rank 1 came.
+    CHECK_THROWS_AS(c.make_groups(groups), TimeoutError);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  }
+  c.barrier();  // the late rank arrives; everyone's make_groups completes behind the scenes
+}
+
 TEST_CASE("every member of a group ends with bit-identical results", "[mpi]") {
   // Inexact inputs: the sum depends on the order of additions, so this fails if members
   // reduce in different orders.
