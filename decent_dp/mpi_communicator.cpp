@@ -692,7 +692,7 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
       in_place ? std::vector<at::Tensor>{tensor} : std::vector<at::Tensor>{tensor, output},
       options.timeout);
   if (k == 1) {
-    if (!in_place) {
+    if (!in_place && tensor.nbytes() > 0) {  // an empty tensor may have no data at all
       std::memcpy(output.data_ptr(), tensor.data_ptr(), tensor.nbytes());
     }
     work->finish();  // the mean of one value is the value itself
@@ -905,7 +905,7 @@ std::shared_ptr<Work> MpiCommunicator::allgather(const at::Tensor& output, const
   char* out = static_cast<char*>(output.data_ptr());
   const auto bytes = static_cast<size_t>(input.nbytes());
   if (k == 1) {
-    if (out != in) {
+    if (out != in && bytes > 0) {
       std::memmove(out, in, bytes);
     }
     work->finish();

@@ -66,7 +66,8 @@ inline void accum_adam_range(scalar_t* __restrict p, const scalar_t* __restrict 
 
 // float32, the common case, is also built for AVX2 and AVX-512; the loader picks the best
 // the CPU supports.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(DECENT_DP_NO_MULTIVERSION)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 void accum_adam_range_float(float* __restrict p, const float* __restrict g, float* __restrict m,

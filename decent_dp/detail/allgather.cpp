@@ -78,7 +78,7 @@ GroupAllgather::~GroupAllgather() = default;
 std::vector<MPI_Request> GroupAllgather::point_to_point() {
   p2p_ = true;
   char* own = output_ + index_ * bytes_;
-  if (own != input_) {
+  if (own != input_ && bytes_ > 0) {
     std::memcpy(own, input_, bytes_);
   }
   return post_member_exchange(input_, output_, bytes_, bytes_, comm_, index_, size_, tag_);
@@ -114,7 +114,7 @@ std::vector<MPI_Request> GroupAllgather::next() {
       for (int m = 0; m < size_; ++m) {
         char* into = output_ + m * bytes_;
         if (m == index_) {
-          if (into != input_) {
+          if (into != input_ && bytes_ > 0) {
             std::memcpy(into, input_, bytes_);
           }
           continue;

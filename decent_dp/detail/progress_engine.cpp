@@ -135,12 +135,16 @@ void ProgressEngine::poll_once() {
   }
   if (!requests_.empty()) {
     indices_.resize(requests_.size());
+    statuses_.resize(requests_.size());
     int count = 0;
-    try {
-      DECENT_DP_MPI_CHECK(MPI_Testsome(static_cast<int>(requests_.size()), requests_.data(), &count,
-                                       indices_.data(), MPI_STATUSES_IGNORE));
-    } catch (const CommError&) {
-      fail_all(std::current_exception());
+    const int rc = MPI_Testsome(static_cast<int>(requests_.size()), requests_.data(), &count,
+                                indices_.data(), statuses_.data());
+    if (rc != MPI_SUCCESS && rc != MPI_ERR_IN_STATUS) {
+      try {
+        throw_mpi_error("MPI_Testsome", rc, __FILE__, __LINE__);
+      } catch (const CommError&) {
+        fail_all(std::current_exception());
+      }
       return;
     }
     if (count > 0 && count != MPI_UNDEFINED) {
@@ -148,6 +152,18 @@ void ProgressEngine::poll_once() {
       for (int i = 0; i < count; ++i) {
         Op* op = owner_[indices_[i]];
         owner_[indices_[i]] = nullptr;
+        const MPI_Status& st = statuses_[i];
+        if (rc == MPI_ERR_IN_STATUS && st.MPI_ERROR != MPI_SUCCESS && !op->failed) {
+          // Report the request's own error at once (the waiter need not sit out the
+          // timeout); the operation stays here until its other requests are done with
+          // its buffers.
+          op->failed = std::make_exception_ptr(CommError(cat(
+              op->work->description(), ": a message ",
+              st.MPI_SOURCE >= 0 ? cat("from rank ", st.MPI_SOURCE, " ") : std::string(),
+              "failed: ", mpi_error_string(st.MPI_ERROR),
+              " (do all members pass tensors of the same size and dtype, in the same order?)")));
+          op->work->finish(op->failed);
+        }
         if (--op->remaining == 0) {
           ready_.push_back(op);
         }
@@ -163,7 +179,11 @@ void ProgressEngine::poll_once() {
       requests_.resize(kept);
       owner_.resize(kept);
       for (Op* op : ready_) {
-        advance(*op);
+        if (op->failed) {
+          finish_op(*op, op->failed);
+        } else {
+          advance(*op);
+        }
         any_done = any_done || op->done;
       }
     }

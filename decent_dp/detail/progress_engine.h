@@ -46,6 +46,7 @@ class ProgressEngine {
     std::function<void()> complete;
     size_t remaining = 0;
     bool done = false;
+    std::exception_ptr failed;  // a request of the current step failed: finish with it
   };
 
   // `drain_timeout`: how long stop() lets in-flight operations finish.
@@ -89,6 +90,7 @@ class ProgressEngine {
   std::vector<MPI_Request> requests_;
   std::vector<Op*> owner_;
   std::vector<int> indices_;
+  std::vector<MPI_Status> statuses_;
   std::vector<Op*> ready_;
   ScratchPool scratch_;
 

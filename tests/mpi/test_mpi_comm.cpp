@@ -84,7 +84,8 @@ int64_t count_wrong_any(const at::Tensor& t, const std::vector<int>& ranks, Redu
 }
 
 bool torch_equal_bytes(const at::Tensor& a, const at::Tensor& b) {
-  return a.nbytes() == b.nbytes() && std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+  return a.nbytes() == b.nbytes() &&
+         (a.nbytes() == 0 || std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0);
 }
 
 bool is_power_of_two(int n) {
