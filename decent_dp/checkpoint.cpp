@@ -256,7 +256,9 @@ void agree(Communicator& control, const std::string& what, const std::string& er
     flags.data_ptr<int32_t>()[control.rank()] = 1;
   }
   if (n > 1) {
-    control.allreduce(flags, flags, AllreduceOptions{ReduceOp::kSum, {}, {}})->wait();
+    control
+        .allreduce(flags, flags, AllreduceOptions{ReduceOp::kSum, {}, {}, "checkpoint agreement"})
+        ->wait();
   }
   if (!error.empty()) {
     throw CheckpointError(error);
@@ -313,7 +315,8 @@ void save(Communicator& control, const std::string& dir, const CheckpointManifes
   std::memcpy(&sum_bits, &sum, sizeof sum);
   table.data_ptr<int64_t>()[2 * rank + 1] = sum_bits;
   if (n > 1) {
-    control.allreduce(table, table, AllreduceOptions{ReduceOp::kSum, {}, {}})->wait();
+    control.allreduce(table, table, AllreduceOptions{ReduceOp::kSum, {}, {}, "checkpoint files"})
+        ->wait();
   }
   agree(control, what, capture([&] {
           if (rank != 0) {

@@ -11,7 +11,11 @@
 namespace decent_dp {
 namespace {
 
-const AllreduceOptions kWorldMean{ReduceOp::kAvg, {}, {}};
+// Labels name the operation in messages and in the operation header (Note [operation header]
+// in detail/op_header.h), so a rank that averages alone is told so instead of pairing with
+// a peer's exchange.
+const AllreduceOptions kWorldMean{ReduceOp::kAvg, {}, {}, "global average"};
+const AllreduceOptions kConsensusMean{ReduceOp::kAvg, {}, {}, "consensus distance"};
 
 }  // namespace
 
@@ -98,7 +102,7 @@ double GlobalAverager::consensus_distance(BucketSet& buckets, const ParamBinding
     binding.load_block(b);
     locals.push_back(b.storage.params);
     means.push_back(b.storage.params.clone());
-    works.push_back(comm.allreduce(means.back(), means.back(), kWorldMean));
+    works.push_back(comm.allreduce(means.back(), means.back(), kConsensusMean));
   }
   for (auto& w : works) {
     w->wait();
@@ -108,7 +112,7 @@ double GlobalAverager::consensus_distance(BucketSet& buckets, const ParamBinding
     d2 += locals[i].to(at::kDouble).sub(means[i].to(at::kDouble)).pow(2).sum().item<double>();
   }
   auto total = at::full({1}, d2, at::kDouble);
-  comm.allreduce(total, total, kWorldMean)->wait();
+  comm.allreduce(total, total, kConsensusMean)->wait();
   return total.data_ptr<double>()[0];
 }
 

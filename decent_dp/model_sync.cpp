@@ -21,7 +21,7 @@ std::vector<std::vector<int64_t>> allgather_rows(Communicator& comm,
   auto in = at::empty({std::max<int64_t>(n, 1)}, at::kLong);
   std::copy(values.begin(), values.end(), in.data_ptr<int64_t>());
   auto out = at::empty({std::max<int64_t>(n, 1) * comm.size()}, at::kLong);
-  comm.allgather(out, in)->wait();
+  comm.allgather(out, in, AllgatherOptions{{}, {}, "model check"})->wait();
   std::vector<std::vector<int64_t>> rows(comm.size());
   const int64_t stride = std::max<int64_t>(n, 1);
   for (int r = 0; r < comm.size(); ++r) {

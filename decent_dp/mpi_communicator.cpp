@@ -15,6 +15,7 @@
 
 #include "decent_dp/detail/allgather.h"
 #include "decent_dp/detail/mpi_check.h"
+#include "decent_dp/detail/op_header.h"
 #include "decent_dp/detail/progress_engine.h"
 #include "decent_dp/detail/ring_allreduce.h"
 #include "decent_dp/detail/shm.h"
@@ -710,11 +711,15 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
   const bool try_shared =
       d.shared_memory && d.same_node(ranks) &&
       numel * static_cast<int64_t>(tensor.element_size()) >= d.shared_memory_min_bytes;
+  // Note [operation header]: what every member compares before any payload moves.
+  const detail::OpHeader header = detail::make_op_header(
+      detail::OpKind::kAllreduce, static_cast<int32_t>(op), numel, dtype, -1, options.label,
+      cat("allreduce(", to_string(op), ", ", numel, " x ", dtype_name(tensor),
+          options.label.empty() ? "" : ", ", options.label, ")"));
   // Note [ring all-reduce over point-to-point]: the operation is created when it starts, by
   // the engine's token holder, which also assigns its tag in submission order.
   using Next = std::function<std::vector<MPI_Request>()>;
-  auto state = std::make_shared<
-      std::pair<std::unique_ptr<detail::RingAllreduce>, std::unique_ptr<detail::ShmAllreduce>>>();
+  auto state = std::make_shared<std::unique_ptr<detail::ShmAllreduce>>();
   detail::ProgressEngine* engine = d.engine.get();
   detail::PeerSegmentCache* peers = &d.peers;
   std::atomic<uint64_t>* counter_ring = &d.ring_allreduces;
@@ -724,31 +729,22 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
   MpiWork* started = work.get();
   d.watch(*work, group);
   Next next = [state, engine, peers, counter_ring, counter_shared, counter_sent, counter_received,
-               group, input, data, numel, dtype, average, try_shared, started] {
-    auto& [ring, shared] = *state;
-    if (!ring && !shared) {
-      started->set_sequence(group->sequence);
+               group, input, data, numel, dtype, average, try_shared, started, header] {
+    auto& reduce = *state;
+    if (!reduce) {
+      const int64_t sequence = group->sequence;
+      started->set_sequence(sequence);
       const int tag = static_cast<int>(group->sequence++ % 32768u);
-      if (try_shared) {
-        shared = std::make_unique<detail::ShmAllreduce>(input, data, numel, dtype, average,
-                                                        group->comm, group->index, group->size, tag,
-                                                        engine->scratch(), *peers);
-      } else {
-        ring = std::make_unique<detail::RingAllreduce>(input, data, numel, dtype, average,
-                                                       group->comm, group->index, group->size, tag,
-                                                       engine->scratch());
-      }
+      reduce = std::make_unique<detail::ShmAllreduce>(
+          input, data, numel, dtype, average, group->comm, group->index, group->size, tag,
+          engine->scratch(), *peers, header, try_shared, group->ranks, sequence);
     }
-    std::vector<MPI_Request> requests = shared ? shared->next() : ring->next();
+    std::vector<MPI_Request> requests = reduce->next();
     if (requests.empty()) {
-      const bool by_shm = shared && !shared->fell_back();
-      (by_shm ? counter_shared : counter_ring)->fetch_add(1);
-      counter_sent->fetch_add(
-          static_cast<uint64_t>(shared ? shared->bytes_sent() : ring->bytes_sent()));
-      counter_received->fetch_add(
-          static_cast<uint64_t>(shared ? shared->bytes_received() : ring->bytes_received()));
-      ring.reset();  // returns the scratch buffer to the pool
-      shared.reset();
+      (reduce->fell_back() ? counter_ring : counter_shared)->fetch_add(1);
+      counter_sent->fetch_add(static_cast<uint64_t>(reduce->bytes_sent()));
+      counter_received->fetch_add(static_cast<uint64_t>(reduce->bytes_received()));
+      reduce.reset();  // returns the scratch buffer to the pool
     }
     return requests;
   };
@@ -767,94 +763,37 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int r
   const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
   // Note [checked broadcast]: point-to-point messages on the world group under one tag,
   // assigned when the operation starts (in submission order, as for the all-reduce), so
-  // concurrent broadcasts never cross. Stage 0: the root sends its (elements, dtype);
-  // stage 1: every rank tells the root whether its tensor matches; stage 2: the root tells
-  // every rank whether all did; stage 3: the root sends the payload to each rank (a
-  // broadcast is a setup operation: n - 1 copies from the root are fine). A size or dtype
-  // that differs from the root's is then an error on every rank instead of a silent partial
-  // copy on some.
+  // concurrent broadcasts never cross. Stage 0 is the header stage of every collective (Note
+  // [operation header]): each rank learns every rank's (elements, dtype, root), so a tensor
+  // that differs from another rank's is the same error on every rank instead of a silent
+  // partial copy on some. Stage 1: the root sends the payload to each rank (a broadcast is a
+  // setup operation: n - 1 copies from the root are fine).
   struct State {
-    int64_t header[2] = {0, 0};
-    std::vector<int32_t> verdicts;
-    int32_t agree = 1;
-    int32_t all_agree = 0;
+    std::vector<detail::OpHeader> headers;
     int tag = 0;
+    int64_t sequence = 0;
     int stage = 0;
   };
   auto st = std::make_shared<State>();
-  const int64_t numel = tensor.numel();
-  const auto dtype = static_cast<int64_t>(tensor.scalar_type());
   Impl::GroupComm* group = &d.world_group;
-  const std::string mine = cat(numel, " x ", dtype_name(tensor));
+  const detail::OpHeader header = detail::make_op_header(
+      detail::OpKind::kBroadcast, -1, tensor.numel(), tensor.scalar_type(), root, "",
+      cat("broadcast(", tensor.numel(), " x ", dtype_name(tensor), ", root ", root, ")"));
   MpiWork* started = work.get();
   d.watch(*work, group);
-  return d.submit(work, [st, group, data, bytes, numel, dtype, root, mine, started] {
+  return d.submit(work, [st, group, data, bytes, root, header, started] {
     std::vector<MPI_Request> requests;
     const int me = group->index;
     const int n = group->size;
     MPI_Comm comm = group->comm;
-    MPI_Request r = MPI_REQUEST_NULL;
     switch (st->stage++) {
       case 0:
-        started->set_sequence(group->sequence);
+        st->sequence = group->sequence;
+        started->set_sequence(st->sequence);
         st->tag = static_cast<int>(group->sequence++ % 32768u);
-        st->header[0] = numel;
-        st->header[1] = dtype;
-        for (int m = 0; m < n; ++m) {
-          if (me == root && m != root) {
-            DECENT_DP_MPI_CHECK(MPI_Isend(st->header, 2, MPI_INT64_T, m, st->tag, comm, &r));
-            requests.push_back(r);
-          }
-        }
-        if (me != root) {
-          DECENT_DP_MPI_CHECK(MPI_Irecv(st->header, 2, MPI_INT64_T, root, st->tag, comm, &r));
-          requests.push_back(r);
-        }
-        return requests;
+        return detail::post_op_headers(header, st->headers, comm, me, n, st->tag);
       case 1:
-        st->agree = st->header[0] == numel && st->header[1] == dtype ? 1 : 0;
-        if (me == root) {
-          st->verdicts.assign(n, 1);
-          for (int m = 0; m < n; ++m) {
-            if (m != root) {
-              DECENT_DP_MPI_CHECK(
-                  MPI_Irecv(&st->verdicts[m], 1, MPI_INT32_T, m, st->tag, comm, &r));
-              requests.push_back(r);
-            }
-          }
-        } else {
-          DECENT_DP_MPI_CHECK(MPI_Isend(&st->agree, 1, MPI_INT32_T, root, st->tag, comm, &r));
-          requests.push_back(r);
-        }
-        return requests;
-      case 2:
-        if (me == root) {
-          st->all_agree = 1;
-          for (int32_t v : st->verdicts) {
-            st->all_agree = std::min(st->all_agree, v);
-          }
-          for (int m = 0; m < n; ++m) {
-            if (m != root) {
-              DECENT_DP_MPI_CHECK(MPI_Isend(&st->all_agree, 1, MPI_INT32_T, m, st->tag, comm, &r));
-              requests.push_back(r);
-            }
-          }
-        } else {
-          DECENT_DP_MPI_CHECK(MPI_Irecv(&st->all_agree, 1, MPI_INT32_T, root, st->tag, comm, &r));
-          requests.push_back(r);
-        }
-        return requests;
-      case 3: {
-        if (st->all_agree == 0) {
-          const std::string roots =
-              cat(st->header[0], " x ", c10::toString(static_cast<c10::ScalarType>(st->header[1])));
-          throw InvalidArgument(
-              st->agree == 0 ? cat("broadcast: rank ", me, " holds ", mine, ", the root (rank ",
-                                   root, ") sends ", roots,
-                                   "; every rank must pass a tensor of the root's size and dtype")
-                             : cat("broadcast: another rank's tensor differs from the root's ",
-                                   roots, " (rank ", root, "); that rank's error names it"));
-        }
+        detail::check_op_headers(st->headers, me, group->ranks, st->sequence);
         for (int m = 0; m < n; ++m) {
           if (m == me || (me != root && m != root)) {
             continue;
@@ -862,20 +801,19 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int r
           int64_t offset = 0;
           do {
             const int64_t count = std::min(kMaxChunk, bytes - offset);
+            MPI_Request r = MPI_REQUEST_NULL;
             if (me == root) {
               DECENT_DP_MPI_CHECK(MPI_Isend(data + offset, static_cast<int>(count), MPI_BYTE, m,
                                             st->tag, comm, &r));
-              requests.push_back(r);
             } else {
               DECENT_DP_MPI_CHECK(MPI_Irecv(data + offset, static_cast<int>(count), MPI_BYTE, root,
                                             st->tag, comm, &r));
-              requests.push_back(r);
             }
+            requests.push_back(r);
             offset += count;
           } while (offset < bytes);
         }
         return requests;
-      }
       default:
         return requests;
     }
@@ -913,18 +851,24 @@ std::shared_ptr<Work> MpiCommunicator::allgather(const at::Tensor& output, const
   }
   const bool try_shared = d.shared_memory && d.same_node(ranks) &&
                           static_cast<int64_t>(bytes) >= d.shared_memory_min_bytes;
+  const detail::OpHeader header = detail::make_op_header(
+      detail::OpKind::kAllgather, -1, input.numel(), input.scalar_type(), -1, options.label,
+      cat("allgather(", input.numel(), " x ", dtype_name(input), options.label.empty() ? "" : ", ",
+          options.label, ")"));
   auto op = std::make_shared<std::unique_ptr<detail::GroupAllgather>>();
   detail::PeerSegmentCache* peers = &d.peers;
   Impl* impl = &d;
   MpiWork* started = work.get();
   d.watch(*work, group);
-  return d.submit(work, [op, impl, peers, group, in, out, bytes, try_shared, started] {
+  return d.submit(work, [op, impl, peers, group, in, out, bytes, try_shared, started, header] {
     auto& gather = *op;
     if (!gather) {
-      started->set_sequence(group->sequence);
+      const int64_t sequence = group->sequence;
+      started->set_sequence(sequence);
       const int tag = static_cast<int>(group->sequence++ % 32768u);
       gather = std::make_unique<detail::GroupAllgather>(in, out, bytes, group->comm, group->index,
-                                                        group->size, tag, try_shared, *peers);
+                                                        group->size, tag, try_shared, *peers,
+                                                        header, group->ranks, sequence);
     }
     std::vector<MPI_Request> requests = gather->next();
     if (requests.empty()) {

@@ -48,7 +48,8 @@ std::vector<MPI_Request> post_member_exchange(const void* send, void* recv_base,
 
 GroupAllgather::GroupAllgather(const char* input, char* output, size_t bytes, MPI_Comm comm,
                                int index, int size, int tag, bool try_shared,
-                               PeerSegmentCache& peers)
+                               PeerSegmentCache& peers, const OpHeader& header,
+                               const std::vector<int>& ranks, int64_t sequence)
     : input_(input),
       output_(output),
       bytes_(bytes),
@@ -57,18 +58,20 @@ GroupAllgather::GroupAllgather(const char* input, char* output, size_t bytes, MP
       size_(size),
       tag_(tag),
       try_shared_(try_shared),
-      peers_(peers) {
+      peers_(peers),
+      mine_(header),
+      ranks_(ranks),
+      sequence_(sequence) {
   if (try_shared_) {
     std::string name;
     uint64_t offset = 0;
-    const bool shared = find_shared(input, bytes, name, offset) && name.size() < sizeof(mine_.name);
+    const bool shared =
+        find_shared(input, bytes, name, offset) && name.size() < sizeof(mine_.segment);
     mine_.shared = shared ? 1 : 0;
     if (shared) {
-      std::memcpy(mine_.name, name.c_str(), name.size() + 1);
+      std::memcpy(mine_.segment, name.c_str(), name.size() + 1);
     }
-    mine_.offset = offset;
-    mine_.bytes = bytes;
-    theirs_.resize(size_);
+    mine_.input_offset = offset;
     signal_in_.resize(size_);
   }
 }
@@ -85,25 +88,17 @@ std::vector<MPI_Request> GroupAllgather::point_to_point() {
 }
 
 std::vector<MPI_Request> GroupAllgather::next() {
-  if (!try_shared_) {
-    return stage_++ == 0 ? point_to_point() : std::vector<MPI_Request>{};
-  }
   if (p2p_) {
     return {};  // the point-to-point messages completed
   }
   switch (stage_++) {
     case 0:
-      return post_member_exchange(&mine_, theirs_.data(), sizeof(Descriptor), sizeof(Descriptor),
-                                  comm_, index_, size_, tag_);
+      return post_op_headers(mine_, theirs_, comm_, index_, size_, tag_);
     case 1: {
       std::atomic_thread_fence(std::memory_order_seq_cst);
-      theirs_[index_] = mine_;
+      check_op_headers(theirs_, index_, ranks_, sequence_);
       bool shared = true;
       for (int m = 0; m < size_; ++m) {
-        if (theirs_[m].bytes != bytes_) {
-          throw CommError(cat("allgather: group members disagree on the block size: member ", m,
-                              " sends ", theirs_[m].bytes, " bytes, member ", index_, " ", bytes_));
-        }
         shared = shared && theirs_[m].shared == 1;
       }
       if (!shared) {
@@ -119,11 +114,12 @@ std::vector<MPI_Request> GroupAllgather::next() {
           }
           continue;
         }
-        segments_[m] = peers_.get(theirs_[m].name);
-        if (theirs_[m].offset + bytes_ > segments_[m]->size()) {
+        segments_[m] = peers_.get(std::string(
+            theirs_[m].segment, strnlen(theirs_[m].segment, sizeof(theirs_[m].segment))));
+        if (theirs_[m].input_offset + bytes_ > segments_[m]->size()) {
           throw CommError(cat("allgather: member ", m, "'s block lies outside its segment"));
         }
-        std::memcpy(into, segments_[m]->data() + theirs_[m].offset, bytes_);
+        std::memcpy(into, segments_[m]->data() + theirs_[m].input_offset, bytes_);
       }
       return post_member_exchange(&signal_out_, signal_in_.data(), sizeof(int32_t), sizeof(int32_t),
                                   comm_, index_, size_, tag_);  // "copied"

@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "decent_dp/detail/op_header.h"
+
 namespace decent_dp {
 namespace detail {
 
@@ -41,9 +43,12 @@ std::vector<MPI_Request> post_member_exchange(const void* send, void* recv_base,
 class GroupAllgather {
  public:
   // `input`: this member's `bytes` bytes; `output`: size * bytes bytes (this member's own
-  // block is copied there too; `input` may already be that block).
+  // block is copied there too; `input` may already be that block). The header stage (Note
+  // [operation header]) comes first and carries the shared-memory descriptor; `ranks` and
+  // `sequence` are for its errors.
   GroupAllgather(const char* input, char* output, size_t bytes, MPI_Comm comm, int index, int size,
-                 int tag, bool try_shared, PeerSegmentCache& peers);
+                 int tag, bool try_shared, PeerSegmentCache& peers, const OpHeader& header,
+                 const std::vector<int>& ranks, int64_t sequence);
   ~GroupAllgather();
 
   // As RingAllreduce::next().
@@ -53,12 +58,6 @@ class GroupAllgather {
   int64_t bytes_received() const { return bytes_sent(); }
 
  private:
-  struct Descriptor {
-    char name[128];
-    uint64_t offset;
-    uint64_t bytes;
-    int32_t shared;
-  };
   std::vector<MPI_Request> point_to_point();
 
   const char* input_;
@@ -73,8 +72,10 @@ class GroupAllgather {
   int stage_ = 0;
   bool shared_ = false;
   bool p2p_ = false;
-  Descriptor mine_{};
-  std::vector<Descriptor> theirs_;
+  OpHeader mine_{};
+  std::vector<OpHeader> theirs_;
+  const std::vector<int>& ranks_;
+  int64_t sequence_;
   std::vector<int32_t> signal_in_;
   int32_t signal_out_ = 1;
   std::vector<std::shared_ptr<PeerSegment>> segments_;

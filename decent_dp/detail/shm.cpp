@@ -208,7 +208,8 @@ std::shared_ptr<PeerSegment> PeerSegmentCache::get(const std::string& name) {
 
 ShmAllreduce::ShmAllreduce(const char* input, char* output, int64_t numel, c10::ScalarType dtype,
                            bool average, MPI_Comm comm, int index, int size, int tag,
-                           ScratchPool& pool, PeerSegmentCache& peers)
+                           ScratchPool& pool, PeerSegmentCache& peers, const OpHeader& header,
+                           bool try_shared, const std::vector<int>& ranks, int64_t sequence)
     : input_(input),
       output_(output),
       numel_(numel),
@@ -220,7 +221,10 @@ ShmAllreduce::ShmAllreduce(const char* input, char* output, int64_t numel, c10::
       tag_(tag),
       pool_(pool),
       peers_(peers),
-      element_size_(static_cast<int64_t>(c10::elementSize(dtype))) {
+      element_size_(static_cast<int64_t>(c10::elementSize(dtype))),
+      mine_(header),
+      ranks_(ranks),
+      sequence_(sequence) {
   offsets_.resize(size_ + 1);
   const int64_t base = numel / size_;
   const int64_t extra = numel % size_;
@@ -230,25 +234,21 @@ ShmAllreduce::ShmAllreduce(const char* input, char* output, int64_t numel, c10::
   const auto bytes = static_cast<size_t>(numel * element_size_);
   std::string in_name, out_name;
   uint64_t in_offset = 0, out_offset = 0;
-  const bool shared = find_shared(input, bytes, in_name, in_offset) &&
+  const bool shared = try_shared && find_shared(input, bytes, in_name, in_offset) &&
                       find_shared(output, bytes, out_name, out_offset);
   const std::string names = shared ? in_name + "|" + out_name : std::string();
-  mine_.shared = shared && names.size() < sizeof(mine_.name) ? 1 : 0;
+  mine_.shared = shared && names.size() < sizeof(mine_.segment) ? 1 : 0;
   if (mine_.shared) {
-    std::memcpy(mine_.name, names.c_str(), names.size() + 1);
+    std::memcpy(mine_.segment, names.c_str(), names.size() + 1);
   }
   mine_.input_offset = in_offset;
   mine_.output_offset = out_offset;
-  mine_.numel = numel;
-  mine_.dtype = static_cast<int32_t>(dtype);
-  theirs_.resize(size_);
   signal_in_.resize(size_);
 }
 
 std::vector<MPI_Request> ShmAllreduce::post_all(int stage) {
   if (stage == 0) {
-    return post_member_exchange(&mine_, theirs_.data(), sizeof(Descriptor), sizeof(Descriptor),
-                                comm_, index_, size_, tag_);
+    return post_op_headers(mine_, theirs_, comm_, index_, size_, tag_);
   }
   return post_member_exchange(&signal_out_, signal_in_.data(), sizeof(int32_t), sizeof(int32_t),
                               comm_, index_, size_, tag_);
@@ -282,20 +282,13 @@ std::vector<MPI_Request> ShmAllreduce::next() {
   }
   switch (stage_++) {
     case 0:
-      return post_all(0);  // descriptors
+      return post_all(0);  // headers, with the segment descriptors
     case 1: {
       std::atomic_thread_fence(std::memory_order_seq_cst);
-      theirs_[index_] = mine_;
+      check_op_headers(theirs_, index_, ranks_, sequence_);
       bool shared = true;
       for (int m = 0; m < size_; ++m) {
-        const Descriptor& d = theirs_[m];
-        if (d.numel != numel_ || d.dtype != static_cast<int32_t>(dtype_)) {
-          throw CommError(cat("all-reduce: group members disagree on the buffer: member ", m,
-                              " has ", d.numel, " elements of dtype ",
-                              c10::toString(static_cast<c10::ScalarType>(d.dtype)), ", member ",
-                              index_, " has ", numel_, " of ", c10::toString(dtype_)));
-        }
-        shared = shared && d.shared == 1;
+        shared = shared && theirs_[m].shared == 1;
       }
       if (!shared) {
         // Some member's buffers are private: every member sees the same descriptors and
@@ -310,7 +303,8 @@ std::vector<MPI_Request> ShmAllreduce::next() {
         if (m == index_) {
           continue;
         }
-        const std::string names(theirs_[m].name);
+        const std::string names(theirs_[m].segment,
+                                strnlen(theirs_[m].segment, sizeof(theirs_[m].segment)));
         const size_t bar = names.find('|');
         segments_[2 * m] = peers_.get(names.substr(0, bar));
         segments_[2 * m + 1] = peers_.get(names.substr(bar + 1));

@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "decent_dp/detail/op_header.h"
 #include "decent_dp/detail/ring_allreduce.h"
 
 namespace decent_dp {
@@ -75,12 +76,16 @@ class PeerSegmentCache {
   uint64_t clock_ = 0;
 };
 
-// The all-reduce of Note [shared-memory transport], falling back to RingAllreduce.
+// An all-reduce: the header stage (Note [operation header]), then Note [shared-memory
+// transport] when `try_shared` and every member's buffers are shared, RingAllreduce
+// otherwise. `header` describes the operation (its shared-memory fields are filled here);
+// `ranks` are the group's members and `sequence` the operation's number there, for errors.
 class ShmAllreduce {
  public:
   ShmAllreduce(const char* input, char* output, int64_t numel, c10::ScalarType dtype, bool average,
                MPI_Comm comm, int index, int size, int tag, ScratchPool& pool,
-               PeerSegmentCache& peers);
+               PeerSegmentCache& peers, const OpHeader& header, bool try_shared,
+               const std::vector<int>& ranks, int64_t sequence);
 
   // As RingAllreduce::next().
   std::vector<MPI_Request> next();
@@ -93,14 +98,6 @@ class ShmAllreduce {
   int64_t bytes_received() const;
 
  private:
-  struct Descriptor {
-    char name[128];  // "input segment|output segment"
-    uint64_t input_offset;
-    uint64_t output_offset;
-    int64_t numel;
-    int32_t dtype;
-    int32_t shared;  // 1 when input and output lie in shared segments
-  };
   int64_t chunk_begin(int c) const { return offsets_[c]; }
   int64_t chunk_size(int c) const { return offsets_[c + 1] - offsets_[c]; }
   std::vector<MPI_Request> post_all(int stage);
@@ -121,8 +118,10 @@ class ShmAllreduce {
   int64_t element_size_;
   std::vector<int64_t> offsets_;
   int stage_ = 0;
-  Descriptor mine_{};
-  std::vector<Descriptor> theirs_;
+  OpHeader mine_{};  // segment: "input segment|output segment"
+  std::vector<OpHeader> theirs_;
+  const std::vector<int>& ranks_;
+  int64_t sequence_;
   std::vector<std::shared_ptr<PeerSegment>> segments_;
   std::vector<int32_t> signal_in_;
   int32_t signal_out_ = 1;

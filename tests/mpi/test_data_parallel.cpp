@@ -118,7 +118,10 @@ at::Tensor mlp_loss(torch::nn::Module& m, int r, int s) {
 TEST_CASE("decentralized training matches the simulator for every topology", "[ddp]") {
   const int n = comm().size();
   const int rank = comm().rank();
-  for (const auto& [name, lws] : topologies_for(n)) {
+  for (const auto& entry : topologies_for(n)) {
+    // Named copies, not structured bindings: the lambdas below capture them.
+    const std::string name = entry.first;
+    const int lws = entry.second;
     for (bool cnn : {false, true}) {
       INFO("rank " << rank << " topology " << name << (cnn ? " cnn" : " mlp"));
       auto factory = optim::adamw(adamw_lr(1e-2));

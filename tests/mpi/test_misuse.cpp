@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <limits>
 
 #include "decent_dp/decent_optim_wrapper.h"
@@ -188,14 +189,91 @@ TEST_CASE("a broadcast of another size than the root's is an error on every rank
     const std::string what = e.what();
     INFO(what);
     if (rank == 1) {
-      CHECK(what.find("rank 1 holds 5 x Float, the root (rank 0) sends 4 x Float") !=
-            std::string::npos);
+      CHECK(what.find("rank 1 (this rank) runs broadcast(5 x Float, root 0), rank 0 runs "
+                      "broadcast(4 x Float, root 0)") != std::string::npos);
     } else {
-      CHECK(what.find("another rank's tensor differs from the root's") != std::string::npos);
+      CHECK(what.find("rank " + std::to_string(rank) +
+                      " (this rank) runs broadcast(4 x Float, root 0), rank 1 runs "
+                      "broadcast(5 x Float, root 0)") != std::string::npos);
     }
   }
   // The communicator is still usable.
   at::Tensor ok = at::full({3}, static_cast<float>(rank), at::kFloat);
   comm().broadcast(ok, 0)->wait();
   CHECK(ok[2].item<float>() == 0.0f);
+}
+
+namespace {
+
+// Runs `mine` on this rank, expects an InvalidArgument naming the mismatch on every rank,
+// then checks the communicator still reduces correctly.
+void expect_mismatch(const std::function<void()>& mine, const std::string& expected) {
+  try {
+    mine();
+    FAIL("mismatched collectives returned");
+  } catch (const InvalidArgument& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(what.find("mismatched operations on group [") != std::string::npos);
+    CHECK(what.find("rank " + std::to_string(comm().rank()) + " (this rank) runs ") !=
+          std::string::npos);
+    CHECK(what.find(expected) != std::string::npos);
+  }
+  at::Tensor ok = at::full({5}, 1.0f, at::kFloat);
+  comm().allreduce(ok, {}, ReduceOp::kSum)->wait();
+  CHECK(ok[4].item<float>() == static_cast<float>(comm().size()));
+}
+
+}  // namespace
+
+TEST_CASE("mismatched collectives are one error on every member, not silent pairing", "[misuse]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  if (n < 2) {
+    return;
+  }
+  for (bool shared : {true, false}) {
+    INFO("rank " << rank << (shared ? " shared-memory buffers" : " private buffers"));
+    auto buffer = [shared](int64_t numel) {
+      return shared ? comm().allocate(numel, at::TensorOptions().dtype(at::kFloat))
+                    : at::zeros({numel}, at::kFloat);
+    };
+    // Equal sizes, different purposes: rank 0's global average against the others'
+    // exchange. Without the header they would sum each other's bytes.
+    at::Tensor x = buffer(4096);
+    const std::string label = rank == 0 ? "global average" : "bucket 0, exchange of update 3";
+    expect_mismatch(
+        [&] {
+          comm().allreduce(x, x, AllreduceOptions{ReduceOp::kAvg, {}, {}, label})->wait();
+        },
+        rank == 0 ? "runs allreduce(avg, 4096 x Float, bucket 0, exchange of update 3)"
+                  : "rank 0 runs allreduce(avg, 4096 x Float, global average)");
+    // Sum against average.
+    expect_mismatch(
+        [&] { comm().allreduce(x, {}, rank == 1 ? ReduceOp::kAvg : ReduceOp::kSum)->wait(); },
+        rank == 1 ? "runs allreduce(sum, 4096 x Float)"
+                  : "rank 1 runs allreduce(avg, 4096 x Float)");
+    // Different sizes, large enough for Open MPI's single-copy path: refused before any
+    // payload is posted (a truncated single-copy receive overruns its buffer).
+    at::Tensor y = buffer(rank == 1 ? 65536 : 16384);
+    expect_mismatch([&] { comm().allreduce(y, {}, ReduceOp::kSum)->wait(); },
+                    rank == 1 ? "runs allreduce(sum, 16384 x Float)"
+                              : "rank 1 runs allreduce(sum, 65536 x Float)");
+    // An all-reduce against an all-gather whose input has the same size.
+    at::Tensor gathered = buffer(4096 * n);
+    expect_mismatch(
+        [&] {
+          if (rank == 0) {
+            comm().allgather(gathered, x)->wait();
+          } else {
+            comm().allreduce(x, {}, ReduceOp::kSum)->wait();
+          }
+        },
+        rank == 0 ? "runs allreduce(sum, 4096 x Float)" : "rank 0 runs allgather(4096 x Float)");
+    // An all-gather of another block size.
+    at::Tensor block = buffer(rank == 1 ? 8 : 4);
+    at::Tensor out = buffer(block.numel() * n);
+    expect_mismatch([&] { comm().allgather(out, block)->wait(); },
+                    rank == 1 ? "runs allgather(4 x Float)" : "rank 1 runs allgather(8 x Float)");
+  }
 }
