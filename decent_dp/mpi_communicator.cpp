@@ -42,9 +42,9 @@ void finalize_at_exit() {
   if (finalized || !g_initialised_by_us) {
     return;
   }
-  if (g_live_communicators > 0 || g_abandoned) {
-    // Finalising with operations in flight can block forever; the launcher reports the
-    // missing finalize instead.
+  if (g_live_communicators > 0 || g_abandoned || !detail::graveyard_empty()) {
+    // Finalising with operations in flight can block forever (Note [abandoned requests]);
+    // the launcher reports the missing finalize instead.
     return;
   }
   MPI_Finalize();
@@ -810,6 +810,7 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int r
                                             st->tag, comm, &r));
             }
             requests.push_back(r);
+            detail::track_posted(r);  // Note [abandoned requests]
             offset += count;
           } while (offset < bytes);
         }

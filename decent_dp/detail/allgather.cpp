@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "decent_dp/detail/mpi_check.h"
+#include "decent_dp/detail/progress_engine.h"
 #include "decent_dp/detail/shm.h"
 #include "decent_dp/errors.h"
 
@@ -35,6 +36,7 @@ std::vector<MPI_Request> post_member_exchange(const void* send, void* recv_base,
           DECENT_DP_MPI_CHECK(MPI_Isend(from, count, MPI_BYTE, m, tag, comm, &r));
         }
         requests.push_back(r);
+        track_posted(r);  // Note [abandoned requests]
       }
     }
   };

@@ -1,6 +1,7 @@
 #include "decent_dp/detail/progress_engine.h"
 
 #include <algorithm>
+#include <mutex>
 
 #ifdef __linux__
 #include <pthread.h>
@@ -15,6 +16,32 @@ namespace decent_dp {
 namespace detail {
 namespace {
 
+// Note [abandoned requests].
+thread_local std::vector<MPI_Request>* t_posting = nullptr;
+
+struct Graveyard {
+  std::mutex mutex;
+  // Never destroyed: an operation's destructor may release the last reference to its engine,
+  // whose thread may be the one burying it. Error paths only, so what it keeps is small.
+  std::vector<std::unique_ptr<ProgressEngine::Op>> ops;
+};
+
+Graveyard& graveyard() {
+  static Graveyard* g = new Graveyard;
+  return *g;
+}
+
+void bury(std::unique_ptr<ProgressEngine::Op> op) {
+  for (MPI_Request& r : op->orphans) {
+    if (r != MPI_REQUEST_NULL) {
+      MPI_Cancel(&r);
+    }
+  }
+  Graveyard& g = graveyard();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  g.ops.push_back(std::move(op));
+}
+
 void finish_op(ProgressEngine::Op& op, std::exception_ptr error) {
   op.done = true;
   if (!error && op.complete) {
@@ -28,6 +55,30 @@ void finish_op(ProgressEngine::Op& op, std::exception_ptr error) {
 }
 
 }  // namespace
+
+void track_posted(MPI_Request request) {
+  if (t_posting != nullptr && request != MPI_REQUEST_NULL) {
+    t_posting->push_back(request);
+  }
+}
+
+bool graveyard_empty() {
+  Graveyard& g = graveyard();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  bool empty = true;
+  for (auto& op : g.ops) {
+    for (MPI_Request& r : op->orphans) {
+      int done = 0;
+      if (r != MPI_REQUEST_NULL && !finalized) {
+        MPI_Test(&r, &done, MPI_STATUS_IGNORE);  // a completed request becomes null
+      }
+      empty = empty && r == MPI_REQUEST_NULL;
+    }
+  }
+  return empty && !finalized;
+}
 
 ProgressEngine::ProgressEngine(std::chrono::microseconds interval,
                                std::chrono::milliseconds drain_timeout, int rank)
@@ -90,12 +141,19 @@ void ProgressEngine::remove_driver() {
 
 void ProgressEngine::advance(Op& op) {
   std::vector<MPI_Request> posted;
+  std::vector<MPI_Request> tracked;
+  std::vector<MPI_Request>* outer = t_posting;
+  t_posting = &tracked;
   try {
     posted = op.next();
   } catch (...) {
+    t_posting = outer;
+    // What the step posted before it threw stays in flight: Note [abandoned requests].
+    op.orphans.insert(op.orphans.end(), tracked.begin(), tracked.end());
     finish_op(op, std::current_exception());
     return;
   }
+  t_posting = outer;
   completed_.fetch_add(1);  // a step of the operation finished (or it started)
   if (posted.empty()) {
     finish_op(op, nullptr);
@@ -109,18 +167,49 @@ void ProgressEngine::advance(Op& op) {
 }
 
 void ProgressEngine::fail_all(std::exception_ptr error) {
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    if (owner_[i] != nullptr) {
+      owner_[i]->orphans.push_back(requests_[i]);
+    }
+  }
+  requests_.clear();
+  owner_.clear();
   for (auto& op : active_) {
     if (!op->done) {
       finish_op(*op, error);
     }
   }
-  in_flight_.fetch_sub(active_.size());
-  active_.clear();
-  requests_.clear();
-  owner_.clear();
+  retire_done();
+}
+
+void ProgressEngine::retire_done() {
+  const size_t before = active_.size();
+  auto kept = active_.begin();
+  for (auto it = active_.begin(); it != active_.end(); ++it) {
+    if (!(*it)->done) {
+      if (kept != it) {
+        *kept = std::move(*it);
+      }
+      ++kept;
+    } else if (!(*it)->orphans.empty()) {
+      bury(std::move(*it));
+    }
+  }
+  active_.erase(kept, active_.end());
+  in_flight_.fetch_sub(before - active_.size());
 }
 
 void ProgressEngine::poll_once() {
+  try {
+    poll_steps();
+  } catch (...) {
+    // An internal error (e.g. out of memory while queueing requests) must not escape into
+    // the progress thread, which would terminate the process: every operation fails with it.
+    fail_all(std::current_exception());
+  }
+}
+
+void ProgressEngine::poll_steps() {
   std::deque<std::unique_ptr<Op>> incoming;
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
@@ -189,11 +278,7 @@ void ProgressEngine::poll_once() {
     }
   }
   if (any_done) {
-    const size_t before = active_.size();
-    active_.erase(std::remove_if(active_.begin(), active_.end(),
-                                 [](const std::unique_ptr<Op>& op) { return op->done; }),
-                  active_.end());
-    in_flight_.fetch_sub(before - active_.size());
+    retire_done();
   }
 }
 

@@ -34,6 +34,22 @@
 namespace decent_dp {
 namespace detail {
 
+// Note [abandoned requests]
+// MPI keeps writing into a receive's buffer and reading a send's until the request completes,
+// so a request is never just dropped: when an operation ends in an error with requests in
+// flight (a step that throws after posting some of its messages, the drain timeout at
+// shutdown, an engine failure) each one is cancelled (MPI_Cancel: receives end at once;
+// sends a peer never takes may not) and the operation, which owns its buffers, its Work and
+// so the tensors, moves to a process-wide graveyard instead of being destroyed. Later polls
+// of any engine test the graveyard and free what has completed; MPI is not finalized while
+// it holds anything (finalizing with requests in flight can block forever).
+//
+// Steps report what they posted as they post it (track_posted), so a step that throws
+// halfway still hands its requests over.
+void track_posted(MPI_Request request);
+// True when the graveyard holds nothing (tested first); false also once MPI is finalized.
+bool graveyard_empty();
+
 class ProgressEngine {
  public:
   struct Op {
@@ -47,6 +63,9 @@ class ProgressEngine {
     size_t remaining = 0;
     bool done = false;
     std::exception_ptr failed;  // a request of the current step failed: finish with it
+    // Requests still in flight when the operation ended in an error: the operation goes to
+    // the graveyard instead of being destroyed (Note [abandoned requests]).
+    std::vector<MPI_Request> orphans;
   };
 
   // `drain_timeout`: how long stop() lets in-flight operations finish.
@@ -76,8 +95,11 @@ class ProgressEngine {
 
  private:
   void thread_main();
-  void poll_once();  // requires the token
+  void poll_once();   // requires the token; fails every operation on an internal error
+  void poll_steps();  // poll_once's work
   void advance(Op& op);
+  // Moves the finished operations out of active_: to the graveyard those with orphans.
+  void retire_done();
   void fail_all(std::exception_ptr error);
 
   const std::chrono::microseconds interval_;

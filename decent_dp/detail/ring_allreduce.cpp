@@ -7,6 +7,7 @@
 #include <climits>
 
 #include "decent_dp/detail/mpi_check.h"
+#include "decent_dp/detail/progress_engine.h"
 #include "decent_dp/errors.h"
 
 namespace decent_dp {
@@ -192,6 +193,7 @@ std::vector<MPI_Request> RingAllreduce::next() {
   MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   DECENT_DP_MPI_CHECK(MPI_Irecv(recv_into, static_cast<int>(chunk_size(recv_chunk) * element_size_),
                                 MPI_BYTE, left, tag_, comm_, &requests[0]));
+  track_posted(requests[0]);  // Note [abandoned requests]
   DECENT_DP_MPI_CHECK(MPI_Isend(send_from, static_cast<int>(chunk_size(send_chunk) * element_size_),
                                 MPI_BYTE, right, tag_, comm_, &requests[1]));
   return {requests[0], requests[1]};

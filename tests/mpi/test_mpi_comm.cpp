@@ -12,6 +12,7 @@
 #include <fstream>
 #include <thread>
 
+#include "decent_dp/detail/progress_engine.h"
 #include "decent_dp/detail/shm.h"
 #include "decent_dp/errors.h"
 #include "decent_dp/topology/topology.h"
@@ -689,4 +690,72 @@ TEST_CASE("group all-gather: many in flight on overlapping groups, and bad input
     CHECK_THROWS_WITH(c.allgather(at::zeros({4}), at::zeros({4}), AllgatherOptions{missing, {}}),
                       Catch::Contains("that contain this rank"));
   }
+}
+
+TEST_CASE("a step that throws after posting messages leaves none of them live", "[mpi][engine]") {
+  // Note [abandoned requests]: rank 0 runs an operation whose step posts a receive and a
+  // large send, then throws. The receive must be cancelled (a later message with its tag
+  // goes to the next receive, not into the failed operation's buffer) and the send kept,
+  // with its buffer, until rank 1 takes it.
+  MPI_Comm c = MPI_COMM_NULL;
+  REQUIRE(MPI_Comm_dup(MPI_COMM_WORLD, &c) == MPI_SUCCESS);
+  const int rank = comm().rank();
+  if (comm().size() >= 2 && rank <= 1) {
+    constexpr int kLarge = 1 << 18;  // ints: 1 MiB, beyond the eager limit
+    if (rank == 0) {
+      detail::ProgressEngine engine(std::chrono::microseconds(20), std::chrono::milliseconds(500),
+                                    0);
+      engine.start_thread();
+      auto received = std::make_shared<std::vector<int>>(1, -1);
+      auto large = std::make_shared<std::vector<int>>(kLarge, 7);
+      auto op = std::make_unique<detail::ProgressEngine::Op>();
+      auto work = std::make_shared<Work>("failing step", std::vector<at::Tensor>{},
+                                         std::chrono::milliseconds(5000));
+      op->work = work;
+      op->next = [c, received, large]() -> std::vector<MPI_Request> {
+        MPI_Request r = MPI_REQUEST_NULL;
+        MPI_Irecv(received->data(), 1, MPI_INT, 1, 5, c, &r);
+        detail::track_posted(r);
+        MPI_Isend(large->data(), kLarge, MPI_INT, 1, 6, c, &r);
+        detail::track_posted(r);
+        throw CommError("injected failure after posting");
+      };
+      engine.enqueue(std::move(op));
+      CHECK_THROWS_WITH(work->wait(), Catch::Contains("injected failure after posting"));
+      CHECK_FALSE(detail::graveyard_empty());  // the large send waits for rank 1
+      int go = 1;
+      MPI_Send(&go, 1, MPI_INT, 1, 7, c);
+      int fresh = -1;
+      MPI_Request r = MPI_REQUEST_NULL;
+      MPI_Irecv(&fresh, 1, MPI_INT, 1, 5, c, &r);
+      int done = 0;
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (!done && std::chrono::steady_clock::now() < deadline) {
+        MPI_Test(&r, &done, MPI_STATUS_IGNORE);
+      }
+      if (!done) {
+        MPI_Cancel(&r);
+        MPI_Wait(&r, MPI_STATUS_IGNORE);
+      }
+      CHECK(done == 1);  // the message went to the new receive...
+      CHECK(fresh == 42);
+      CHECK((*received)[0] == -1);  // ...not to the failed operation's
+      bool empty = false;
+      while (!(empty = detail::graveyard_empty()) && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      CHECK(empty);  // the send completed once rank 1 took it
+      engine.stop();
+    } else {
+      int go = 0;
+      MPI_Recv(&go, 1, MPI_INT, 0, 7, c, MPI_STATUS_IGNORE);
+      std::vector<int> large(kLarge, 0);
+      MPI_Recv(large.data(), kLarge, MPI_INT, 0, 6, c, MPI_STATUS_IGNORE);
+      CHECK(large[kLarge - 1] == 7);
+      int value = 42;
+      MPI_Send(&value, 1, MPI_INT, 0, 5, c);
+    }
+  }
+  MPI_Barrier(c);
+  MPI_Comm_free(&c);
 }
