@@ -14,7 +14,8 @@
 // exactly once, along the ring, and then copied, so all members end with bit-identical results;
 // 16-bit floats are summed in their own dtype (each partial sum rounded). Messages of one operation
 // carry a tag of their own (a per-communicator sequence number), so any number of operations may be
-// in flight on one communicator.
+// in flight on one communicator. The ring runs after the header stage of Note [operation header]
+// (ShmAllreduce falls back to it), so every member's chunks have the sizes it expects.
 #pragma once
 
 #define OMPI_SKIP_MPICXX 1
