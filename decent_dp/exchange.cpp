@@ -131,6 +131,9 @@ GossipExchange::GossipExchange(std::shared_ptr<Communicator> comm,
   if (stages_.codec && !stages_.aggregator) {
     stages_.aggregator = std::make_shared<MeanAggregator>();
   }
+  if (stages_.aggregator) {
+    stages_.aggregator->check(topology_);
+  }
 }
 
 void GossipExchange::set_adaptive_factor(double a) {

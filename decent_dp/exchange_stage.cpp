@@ -4,6 +4,7 @@
 
 #include <tuple>
 
+#include "decent_dp/communicator.h"
 #include "decent_dp/errors.h"
 
 namespace decent_dp {
@@ -30,6 +31,56 @@ void MedianAggregator::aggregate(const at::Tensor& rows, int64_t /*self*/,
     out.copy_(sorted.select(0, k / 2));
   } else {
     out.copy_(sorted.select(0, k / 2 - 1)).add_(sorted.select(0, k / 2)).mul_(0.5);
+  }
+}
+
+}  // namespace decent_dp
+
+namespace decent_dp {
+
+TrimmedMeanAggregator::TrimmedMeanAggregator(int64_t b) : b_(b) {
+  DECENT_DP_CHECK_ARG(
+      b >= 0, "TrimmedMeanAggregator: b (values dropped at each end) must be >= 0, got ", b);
+}
+
+std::string TrimmedMeanAggregator::name() const {
+  return detail::cat("trimmed-mean(b=", b_, ")");
+}
+
+void TrimmedMeanAggregator::aggregate(const at::Tensor& rows, int64_t /*self*/,
+                                      const topology::Group& group, const at::Tensor& out) {
+  const int64_t k = rows.size(0);
+  if (k == 1) {
+    out.copy_(rows.select(0, 0));
+    return;
+  }
+  if (k <= 2 * b_) {
+    throw InvalidArgument(detail::cat("trimmed mean with b = ", b_, " needs groups of more than ",
+                                      2 * b_, " members; group ", ranks_to_string(group.ranks),
+                                      " has ", k));
+  }
+  at::Tensor target = out;
+  if (b_ == 0) {
+    at::sum_out(target, rows, {0});
+  } else {
+    const at::Tensor sorted = std::get<0>(rows.sort(0));
+    at::sum_out(target, sorted.narrow(0, b_, k - 2 * b_), {0});
+  }
+  out.div_(static_cast<double>(k - 2 * b_));
+}
+
+void TrimmedMeanAggregator::check(const topology::Topology& topology) const {
+  for (int s = 0; s < topology.period(); ++s) {
+    for (const topology::Group& g : topology.slot(s)) {
+      if (g.size() > 1 && g.size() <= 2 * b_) {
+        throw InvalidArgument(
+            detail::cat("aggregator trimmed-mean(b=", b_, ") drops ", b_,
+                        " values at each end and needs groups of more than ", 2 * b_,
+                        " members, but topology '", topology.name(), "' has group ",
+                        ranks_to_string(g.ranks), " (", g.size(), " members) in slot ", s,
+                        "; use a smaller b or a topology with larger groups (e.g. complete)"));
+      }
+    }
   }
 }
 

@@ -53,6 +53,9 @@ class Aggregator {
   // `self` this rank's own x. Writes mix(x) into `out` (n elements).
   virtual void aggregate(const at::Tensor& rows, int64_t self, const topology::Group& group,
                          const at::Tensor& out) = 0;
+  // Called once when a wrapper is built, with its topology (the same on every rank): throws
+  // InvalidArgument when the aggregator cannot run on one of its groups.
+  virtual void check(const topology::Topology& /*topology*/) const {}
 };
 
 // mix(x) = w x + (1 - w) / (k - 1) * sum of the others' rows: the spec's weighted mean, the
@@ -71,6 +74,23 @@ class MedianAggregator final : public Aggregator {
   std::string name() const override { return "median"; }
   void aggregate(const at::Tensor& rows, int64_t self, const topology::Group& group,
                  const at::Tensor& out) override;
+};
+
+// The coordinate-wise trimmed mean: per coordinate, the b largest and the b smallest of the
+// k values (this rank's included) are dropped and the other k - 2b averaged. b = 0 is the
+// plain mean of the k rows (equal weights); robust to at most b arbitrary rows per group.
+// Needs k > 2b in every group of more than one member (check() names the first that is not).
+class TrimmedMeanAggregator final : public Aggregator {
+ public:
+  explicit TrimmedMeanAggregator(int64_t b);
+  std::string name() const override;
+  int64_t trimmed() const { return b_; }
+  void aggregate(const at::Tensor& rows, int64_t self, const topology::Group& group,
+                 const at::Tensor& out) override;
+  void check(const topology::Topology& topology) const override;
+
+ private:
+  int64_t b_;
 };
 
 // The stages of the gossip exchange; both null: the all-reduce fast path.

@@ -109,6 +109,14 @@ class Simulator {
             auto sorted = std::get<0>(torch::stack(rows).sort(0));
             const int64_t kk = g.size();
             mix = kk % 2 == 1 ? sorted[kk / 2].clone() : (sorted[kk / 2 - 1] + sorted[kk / 2]) / 2;
+          } else if (trim_ >= 0 && g.size() > 1) {
+            // Coordinate-wise trimmed mean: drop the trim_ largest and smallest of the k
+            // values, average the rest with equal weights.
+            std::vector<at::Tensor> rows;
+            for (int j : g.ranks)
+              rows.push_back(received(j));
+            auto sorted = std::get<0>(torch::stack(rows).sort(0));
+            mix = sorted.narrow(0, trim_, g.size() - 2 * trim_).mean(0);
           } else {
             mix = snapshot[i][t] * g.self_weight;
             for (int j : g.ranks) {
@@ -149,6 +157,8 @@ class Simulator {
   void set_clip_norm(double c) { clip_norm_ = c; }
   // Mixing by the coordinate-wise median of the group instead of the weighted mean.
   void set_median(bool on) { median_ = on; }
+  // Mixing by the coordinate-wise trimmed mean dropping `b` values at each end (-1: off).
+  void set_trimmed_mean(int64_t b) { trim_ = b; }
   // Peers' values arrive rounded to `dtype` (a codec that sends that dtype).
   void set_payload_dtype(at::ScalarType dtype) { payload_dtype_ = dtype; }
 
@@ -162,6 +172,7 @@ class Simulator {
   double adaptive_ = 1.0;
   double clip_norm_ = 0.0;
   bool median_ = false;
+  int64_t trim_ = -1;
   at::ScalarType payload_dtype_ = at::kFloat;
 };
 

@@ -646,6 +646,89 @@ TEST_CASE("a median aggregator and a float16 codec match the simulator", "[ddp][
   }
 }
 
+// A codec for the tests: rank `liar` sends its value plus `offset` (a Byzantine member);
+// the others send their exact value.
+class LyingCodec final : public Codec {
+ public:
+  LyingCodec(int liar, double offset) : liar_(liar), offset_(offset) {}
+  std::string name() const override { return "lying"; }
+  int64_t payload_numel(int64_t numel, c10::ScalarType /*dtype*/) const override { return numel; }
+  c10::ScalarType payload_dtype(c10::ScalarType dtype) const override { return dtype; }
+  void encode(const at::Tensor& x, const at::Tensor& payload, const CodecContext& ctx) override {
+    payload.copy_(x);
+    if (ctx.rank == liar_)
+      payload.add_(offset_);
+  }
+  void decode(const at::Tensor& payload, const at::Tensor& out,
+              const CodecContext& /*ctx*/) override {
+    out.copy_(payload);
+  }
+
+ private:
+  int liar_;
+  double offset_;
+};
+
+TEST_CASE("a trimmed-mean aggregator matches the simulator and ignores a lying member",
+          "[ddp][exchange]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  auto factory = optim::adamw(adamw_lr(1e-2));
+  // b = 0 on every topology (the equal-weight mean of the group), b = 1 where groups have
+  // at least three members.
+  for (const auto& [name, lws] : topologies_for(n)) {
+    for (int64_t b : {0, 1}) {
+      if (b == 1 && (name != "complete" || n < 3))
+        continue;
+      INFO("rank " << rank << " topology " << name << " b " << b);
+      auto o = small_buckets(name, lws);
+      o.aggregator = std::make_shared<TrimmedMeanAggregator>(b);
+      auto net = train_mlp(o, factory, 12);
+      testing::Simulator sim([] { return make_mlp().ptr(); }, n, name, lws, factory);
+      sim.set_trimmed_mean(b);
+      for (int step = 0; step < 12; ++step)
+        sim.step(mlp_loss, step);
+      check_matches(*net, sim.model(rank), 1e-5);
+    }
+  }
+  if (n < 3)
+    return;
+  // Rank 0 adds 1e6 to everything it sends. The mean carries it to every other rank; the
+  // trimmed mean (b = 1) drops it, and the honest ranks stay where the simulator without
+  // the liar's offset would... within the trimmed values' spread: bounded.
+  for (bool trimmed : {false, true}) {
+    INFO("rank " << rank << (trimmed ? " trimmed mean" : " mean"));
+    auto o = small_buckets("complete", 1);
+    o.codec = std::make_shared<LyingCodec>(0, 1e6);
+    o.aggregator = trimmed ? std::shared_ptr<Aggregator>(std::make_shared<TrimmedMeanAggregator>(1))
+                           : std::shared_ptr<Aggregator>(std::make_shared<MeanAggregator>());
+    auto net = train_mlp(o, factory, 4);
+    double largest = 0;
+    for (const auto& p : net->parameters())
+      largest = std::max(largest, p.detach().abs().max().item<double>());
+    if (rank != 0) {
+      if (trimmed)
+        CHECK(largest < 10.0);
+      else
+        CHECK(largest > 1e4);
+    }
+  }
+}
+
+TEST_CASE("a trimmed mean refuses topologies whose groups are too small", "[ddp][exchange]") {
+  const int n = comm().size();
+  if (n < 2 || n % 2 != 0)
+    return;
+  auto o = small_buckets("ring", 1);
+  o.aggregator = std::make_shared<TrimmedMeanAggregator>(1);
+  auto net = make_mlp();
+  CHECK_THROWS_WITH((DecentralizedDataParallel<torch::nn::Sequential>(net, o, optim::adamw(),
+                                                                      nullptr, shared_comm())),
+                    Catch::Contains("aggregator trimmed-mean(b=1)") &&
+                        Catch::Contains("topology 'ring'") &&
+                        Catch::Contains("members) in slot 0"));
+}
+
 TEST_CASE("an exception inside backward is raised again on the next use, never misreported",
           "[ddp][failure]") {
   // An optimizer factory whose optimizers throw on their third step.

@@ -218,3 +218,50 @@ TEST_CASE("a timeout beyond the longest allowed is refused, naming the variable"
                     Catch::Contains("DECENT_DP_TIMEOUT_MS must be an integer in [1, "
                                     "1000000000000], got '9223372036854775000'"));
 }
+
+TEST_CASE("trimmed mean: direct formulas on hand-made rows", "[aggregator]") {
+  using decent_dp::TrimmedMeanAggregator;
+  decent_dp::topology::Group g;
+  auto run = [&g](int64_t b, const at::Tensor& rows) {
+    g.ranks.clear();
+    for (int64_t m = 0; m < rows.size(0); ++m)
+      g.ranks.push_back(static_cast<int>(m));
+    at::Tensor out = at::empty({rows.size(1)});
+    TrimmedMeanAggregator(b).aggregate(rows, 0, g, out);
+    return out;
+  };
+  // Odd k = 5, b = 1: per column drop the largest and the smallest, average three.
+  const at::Tensor rows5 = torch::tensor({{1.0f, 10.0f, -3.0f},
+                                          {2.0f, 10.0f, 100.0f},
+                                          {3.0f, 10.0f, 0.0f},
+                                          {4.0f, 10.0f, 1.0f},
+                                          {1e9f, 10.0f, 2.0f}});
+  CHECK(run(1, rows5).equal(torch::tensor({3.0f, 10.0f, 1.0f})));  // ties: equal columns stay
+  // b = 2 of k = 5 is the median.
+  CHECK(run(2, rows5).equal(torch::tensor({3.0f, 10.0f, 1.0f})));
+  // b = 0 is the plain mean of the rows.
+  CHECK(torch::allclose(run(0, rows5), rows5.mean(0)));
+  // Even k = 4, b = 1: the mean of the two middle values.
+  const at::Tensor rows4 = torch::tensor({{0.0f, 5.0f}, {8.0f, 5.0f}, {2.0f, -7.0f}, {4.0f, 9.0f}});
+  CHECK(run(1, rows4).equal(torch::tensor({3.0f, 5.0f})));
+  // A single member keeps its own value; k <= 2b is an error naming the group.
+  CHECK(run(3, torch::tensor({{1.5f, 2.5f}})).equal(torch::tensor({1.5f, 2.5f})));
+  CHECK_THROWS_WITH(run(1, rows4.narrow(0, 0, 2)),
+                    Catch::Contains("needs groups of more than 2 members; group [0,1] has 2"));
+  CHECK_THROWS_AS(TrimmedMeanAggregator(-1), decent_dp::InvalidArgument);
+  CHECK(TrimmedMeanAggregator(2).name() == "trimmed-mean(b=2)");
+}
+
+TEST_CASE("trimmed mean: the topology check names the first group that is too small",
+          "[aggregator]") {
+  using decent_dp::TrimmedMeanAggregator;
+  auto complete5 = decent_dp::topology::make_topology("complete", 5, 1);
+  CHECK_NOTHROW(TrimmedMeanAggregator(2).check(*complete5));  // 5 > 2 * 2
+  auto complete4 = decent_dp::topology::make_topology("complete", 4, 1);
+  CHECK_THROWS_WITH(
+      TrimmedMeanAggregator(2).check(*complete4),
+      Catch::Contains("topology 'complete' has group [0,1,2,3] (4 members) in slot 0"));
+  auto ring = decent_dp::topology::make_topology("ring", 8, 1);
+  CHECK_NOTHROW(TrimmedMeanAggregator(0).check(*ring));
+  CHECK_THROWS_WITH(TrimmedMeanAggregator(1).check(*ring), Catch::Contains("topology 'ring'"));
+}
