@@ -1,0 +1,122 @@
+// codec_bench: single-core throughput of the quantization codec (Note [uniform asymmetric
+// quantization]) on a float32 block: encode, decode and both, in GB/s of float32 input,
+// next to a plain copy of the block measured in the same run, and the payload's share of
+// the float32 bytes. Cases are interleaved round by round; medians are reported.
+//
+//   build/bin/codec_bench [--numel 4194304] [--rounds 15] [--chunk 1024] [--json out.json]
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/randn.h>
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "benchmarks/bench_util.h"
+#include "decent_dp/quantize_codec.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_of(const std::function<void()>& f) {
+  const auto t0 = Clock::now();
+  f();
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"decent_dp codec throughput (one core)"};
+  int64_t numel = 1 << 22;
+  int rounds = 15;
+  int64_t chunk = 1024;
+  std::string json_path;
+  app.add_option("--numel", numel, "float32 elements per block")->check(CLI::PositiveNumber);
+  app.add_option("--rounds", rounds, "timed rounds per case")->check(CLI::PositiveNumber);
+  app.add_option("--chunk", chunk, "elements per (minimum, step) pair")->check(CLI::PositiveNumber);
+  app.add_option("-J,--json", json_path, "also write the results as JSON to this file");
+  CLI11_PARSE(app, argc, argv);
+  if (const std::string why = decent_dp::bench::check_writable(json_path, "-J/--json");
+      !why.empty()) {
+    std::fprintf(stderr, "error: %s\n", why.c_str());
+    return 2;
+  }
+  at::set_num_threads(1);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  at::Tensor x = at::randn({numel}, gen).mul_(0.05);  // parameter-like values
+  at::Tensor y = at::empty({numel});
+  const double gb = static_cast<double>(numel) * 4 / 1e9;
+
+  struct Case {
+    int bits;
+    std::vector<uint8_t> payload;
+    std::vector<double> enc, dec;
+  };
+  std::vector<Case> cases;
+  for (int bits : {8, 4}) {
+    Case c;
+    c.bits = bits;
+    c.payload.resize(static_cast<size_t>(decent_dp::quantize::payload_bytes(numel, bits, chunk)));
+    cases.push_back(std::move(c));
+  }
+  std::vector<double> copy;
+  const float* src = x.data_ptr<float>();
+  float* dst = y.data_ptr<float>();
+  for (int r = -1; r < rounds; ++r) {  // round -1 warms up
+    const double t_copy =
+        seconds_of([&] { std::memcpy(dst, src, static_cast<size_t>(numel) * sizeof(float)); });
+    if (r >= 0) {
+      copy.push_back(t_copy);
+    }
+    for (Case& c : cases) {
+      const double te = seconds_of(
+          [&] { decent_dp::quantize::encode(src, numel, c.bits, chunk, c.payload.data()); });
+      const double td = seconds_of(
+          [&] { decent_dp::quantize::decode(c.payload.data(), numel, c.bits, chunk, dst); });
+      if (r >= 0) {
+        c.enc.push_back(te);
+        c.dec.push_back(td);
+      }
+    }
+  }
+  fmt::print("# {} float32 elements ({:.1f} MiB), chunk {}, one thread, medians of {} rounds\n",
+             numel, numel * 4 / 1048576.0, chunk, rounds);
+  fmt::print("{:<22} {:>10} {:>10} {:>12} {:>10}\n", "case", "encode", "decode", "enc+dec",
+             "payload");
+  fmt::print("{:<22} {:>10} {:>10} {:>12} {:>10}\n", "", "GB/s", "GB/s", "GB/s", "of fp32");
+  const double copy_gbs = gb / median(copy);
+  fmt::print("{:<22} {:>10.2f} {:>10} {:>12} {:>10}\n", "memcpy (reference)", copy_gbs, "", "", "");
+  nlohmann::json out;
+  out["numel"] = numel;
+  out["chunk"] = chunk;
+  out["memcpy_gbps"] = copy_gbs;
+  for (const Case& c : cases) {
+    const double e = median(c.enc), d = median(c.dec);
+    const double ratio = static_cast<double>(c.payload.size()) / (static_cast<double>(numel) * 4);
+    fmt::print("{:<22} {:>10.2f} {:>10.2f} {:>12.2f} {:>9.1f}%\n",
+               fmt::format("quantize {} bit", c.bits), gb / e, gb / d, gb / (e + d), 100 * ratio);
+    out["cases"].push_back({{"bits", c.bits},
+                            {"encode_gbps", gb / e},
+                            {"decode_gbps", gb / d},
+                            {"roundtrip_gbps", gb / (e + d)},
+                            {"payload_ratio", ratio}});
+  }
+  if (!json_path.empty() && !decent_dp::bench::write_json(json_path, out, "-J/--json")) {
+    return 1;
+  }
+  return 0;
+}
