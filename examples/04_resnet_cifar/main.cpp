@@ -14,6 +14,7 @@
 
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
@@ -79,7 +80,27 @@ struct Config {
   int64_t eval_batch = 500;
   int checkpoint_every = 0;  // save <output>/checkpoint every this many epochs (0: never)
   std::string resume;        // checkpoint folder to continue from
+  // The gossip exchange (decentralized mode): aggregation and what a rank sends.
+  std::string aggregator =
+      "auto";                  // auto (the all-reduce fast path) | mean | median | trimmed-mean
+  int64_t trim = 1;            // trimmed-mean: values dropped at each end per coordinate
+  std::string codec = "none";  // none | quantize
+  int codec_bits = 8;
+  int64_t codec_chunk = 1024;
+  // Attack emulation: ranks that train on flipped labels.
+  std::string flip_ranks;  // "2,5"; empty: flip_fraction of the ranks, drawn with the seed
+  double flip_fraction = 0;
+  std::string flip_mode = "reverse";  // reverse (l -> C-1-l) | permutation (seeded)
 };
+
+// Payload bytes of the exchanges: all-reduces (the fast path, DDP) and all-gathers (the
+// gather path of aggregators and codecs, what a codec encodes).
+uint64_t sent_bytes(const decent_dp::MpiStats& s) {
+  return s.allreduce_bytes_sent + s.allgather_bytes_sent;
+}
+uint64_t received_bytes(const decent_dp::MpiStats& s) {
+  return s.allreduce_bytes_received + s.allgather_bytes_received;
+}
 
 // "must be > 0" / ">= 0" checks whose messages name the bound and the value.
 CLI::Validator at_least(double lo, bool strict) {
@@ -165,6 +186,27 @@ void bind(CLI::App& app, Config& c, std::string& config_path) {
       ->check(kNonNegative);
   app.add_option("--resume", c.resume,
                  "continue from this checkpoint folder (saved by --checkpoint-every)");
+  app.add_option("--aggregator", c.aggregator,
+                 "decentralized: auto (all-reduce to the group mean), mean, median or "
+                 "trimmed-mean (group all-gather of every member's block)")
+      ->check(CLI::IsMember({"auto", "mean", "median", "trimmed-mean"}));
+  app.add_option("--trim", c.trim, "trimmed-mean: values dropped at each end per coordinate")
+      ->check(kNonNegative);
+  app.add_option("--codec", c.codec, "decentralized: what a rank sends, none or quantize")
+      ->check(CLI::IsMember({"none", "quantize"}));
+  app.add_option("--codec-bits", c.codec_bits, "quantize: 8 or 4 bits per value")
+      ->check(CLI::IsMember({8, 4}));
+  app.add_option("--codec-chunk", c.codec_chunk, "quantize: values per (minimum, step) pair")
+      ->check(kPositive);
+  app.add_option("--flip-ranks", c.flip_ranks,
+                 "attack emulation: ranks that train on flipped labels, e.g. 2,5");
+  app.add_option("--flip-fraction", c.flip_fraction,
+                 "attack emulation: without --flip-ranks, this fraction of the ranks (drawn "
+                 "with --seed) flips its labels")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--flip-mode", c.flip_mode,
+                 "reverse (label l -> C-1-l) or permutation (a seeded map that moves every class)")
+      ->check(CLI::IsMember({"reverse", "permutation"}));
 }
 
 nlohmann::json to_json(const Config& c) {
@@ -201,7 +243,15 @@ nlohmann::json to_json(const Config& c) {
           {"consensus-every", c.consensus_every},
           {"eval-batch", c.eval_batch},
           {"checkpoint-every", c.checkpoint_every},
-          {"resume", c.resume}};
+          {"resume", c.resume},
+          {"aggregator", c.aggregator},
+          {"trim", c.trim},
+          {"codec", c.codec},
+          {"codec-bits", c.codec_bits},
+          {"codec-chunk", c.codec_chunk},
+          {"flip-ranks", c.flip_ranks},
+          {"flip-fraction", c.flip_fraction},
+          {"flip-mode", c.flip_mode}};
 }
 
 // argv with the JSON file's settings first (so command-line flags, parsed later, win).
@@ -681,6 +731,12 @@ int run(const Config& cfg) {
     train_tf.horizontal_flip = true;
   }
   ex::Sharder sharder(train.labels, train.num_classes, world, cfg.seed, cfg.noniid_alpha);
+  // Attack emulation: the attacking ranks train on flipped labels (the split above used the
+  // true ones, so every rank computes the same shards).
+  const std::vector<int> flipping =
+      ex::attacking_ranks(world, cfg.flip_ranks, cfg.flip_fraction, cfg.seed);
+  if (std::binary_search(flipping.begin(), flipping.end(), rank))
+    train = ex::flip_labels(train, ex::flip_map(cfg.flip_mode, train.num_classes, cfg.seed));
   const int64_t steps_per_epoch = sharder.samples_per_rank() / cfg.batch;
   if (steps_per_epoch < 1)
     throw std::invalid_argument(fmt::format(
@@ -696,6 +752,17 @@ int run(const Config& cfg) {
   options.bucket_cap_mb = cfg.bucket_cap_mb;
   options.local_world_size = cfg.lws;
   options.sync_buffers_in_global_avg = true;
+  if (cfg.mode != "decentralized" && (cfg.aggregator != "auto" || cfg.codec != "none"))
+    throw std::invalid_argument("--aggregator and --codec apply to --mode decentralized, not " +
+                                cfg.mode);
+  if (cfg.aggregator == "mean")
+    options.aggregator = std::make_shared<decent_dp::MeanAggregator>();
+  else if (cfg.aggregator == "median")
+    options.aggregator = std::make_shared<decent_dp::MedianAggregator>();
+  else if (cfg.aggregator == "trimmed-mean")
+    options.aggregator = std::make_shared<decent_dp::TrimmedMeanAggregator>(cfg.trim);
+  if (cfg.codec == "quantize")
+    options.codec = std::make_shared<decent_dp::QuantizeCodec>(cfg.codec_bits, cfg.codec_chunk);
   auto optim_fn = make_optimizer(cfg);
   auto sched_fn = make_schedule(cfg, steps_per_epoch);
   std::unique_ptr<Runner> runner;
@@ -720,6 +787,7 @@ int run(const Config& cfg) {
   config_json["output"] = out_dir;
   config_json["world_size"] = world;
   config_json["label"] = label;
+  config_json["flipping_ranks"] = flipping;
   std::ofstream jsonl, csv, consensus_csv;
   if (rank == 0) {
     make_dirs(out_dir);
@@ -742,6 +810,12 @@ int run(const Config& cfg) {
         cfg.model, ex::parameter_count(*net), cfg.dataset, train.size(), test.size(),
         train.channels(), train.image_size(), train.image_size(), world, label, cfg.optimizer,
         cfg.schedule, cfg.lr, cfg.batch, cfg.epochs, steps_per_epoch, cfg.threads, out_dir);
+    if (options.aggregator || options.codec)
+      fmt::print("# exchange: {}{}\n", options.aggregator ? options.aggregator->name() : "mean",
+                 options.codec ? " of " + options.codec->name() : std::string());
+    if (!flipping.empty())
+      fmt::print("# attack: rank(s) {} train on labels flipped by {}\n", fmt::join(flipping, ","),
+                 cfg.flip_mode);
     std::fflush(stdout);
   }
 
@@ -787,8 +861,8 @@ int run(const Config& cfg) {
                             ? cfg.log_every
                             : static_cast<int>(std::max<int64_t>(1, steps_per_epoch / 10));
   const auto start = Clock::now();
-  uint64_t sent0 = mpi ? mpi->stats().allreduce_bytes_sent : 0;
-  uint64_t received0 = mpi ? mpi->stats().allreduce_bytes_received : 0;
+  uint64_t sent0 = mpi ? sent_bytes(mpi->stats()) : 0;
+  uint64_t received0 = mpi ? received_bytes(mpi->stats()) : 0;
   for (int epoch = first_epoch; epoch <= cfg.epochs; ++epoch) {
     ex::BatchLoader loader(train, sharder.indices(rank, epoch), cfg.batch, train_tf,
                            cfg.seed * 1000003 + static_cast<uint64_t>(rank) * 7919 + epoch);
@@ -812,8 +886,8 @@ int run(const Config& cfg) {
         const auto before = mpi ? mpi->stats() : decent_dp::MpiStats{};
         const double d = runner->consensus_distance();
         if (mpi) {
-          sent0 += mpi->stats().allreduce_bytes_sent - before.allreduce_bytes_sent;
-          received0 += mpi->stats().allreduce_bytes_received - before.allreduce_bytes_received;
+          sent0 += sent_bytes(mpi->stats()) - sent_bytes(before);
+          received0 += received_bytes(mpi->stats()) - received_bytes(before);
         }
         if (rank == 0)
           consensus_csv << global_step << "," << fmt::format("{:.6e}", d) << "\n" << std::flush;
@@ -839,8 +913,8 @@ int run(const Config& cfg) {
     }
     runner->synchronize();
     // Training traffic only: the evaluation's averaging below is not counted.
-    const uint64_t sent = mpi ? mpi->stats().allreduce_bytes_sent : 0;
-    const uint64_t received = mpi ? mpi->stats().allreduce_bytes_received : 0;
+    const uint64_t sent = mpi ? sent_bytes(mpi->stats()) : 0;
+    const uint64_t received = mpi ? received_bytes(mpi->stats()) : 0;
     const double epoch_s = std::chrono::duration<double>(Clock::now() - t0).count();
     train_time += epoch_s;
     if (tty)
@@ -868,8 +942,8 @@ int run(const Config& cfg) {
                                 static_cast<double>(sent - sent0),
                                 static_cast<double>(received - received0)};
     sum_all(*comm, sums);
-    sent0 = mpi ? mpi->stats().allreduce_bytes_sent : 0;
-    received0 = mpi ? mpi->stats().allreduce_bytes_received : 0;
+    sent0 = mpi ? sent_bytes(mpi->stats()) : 0;
+    received0 = mpi ? received_bytes(mpi->stats()) : 0;
     Row r;
     r.epoch = epoch;
     r.loss = sums[0] / sums[2];

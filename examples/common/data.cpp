@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -289,6 +290,79 @@ std::pair<std::vector<double>, std::vector<double>> channel_stats(const Dataset&
     stdev.push_back(x.std().item<double>());
   }
   return {mean, stdev};
+}
+
+std::vector<int64_t> flip_map(const std::string& mode, int64_t num_classes, uint64_t seed) {
+  if (num_classes < 2)
+    throw std::invalid_argument("label flipping needs at least 2 classes, got " +
+                                std::to_string(num_classes));
+  std::vector<int64_t> map(static_cast<size_t>(num_classes));
+  if (mode == "reverse") {
+    for (int64_t l = 0; l < num_classes; ++l)
+      map[static_cast<size_t>(l)] = num_classes - 1 - l;
+    return map;
+  }
+  if (mode != "permutation")
+    throw std::invalid_argument("--flip-mode: expected reverse or permutation, got '" + mode + "'");
+  // A seeded random cyclic shift of a seeded shuffle: class order[i] -> order[i + 1], a
+  // single cycle through all classes, so no class keeps its label.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed ^ 0x6c6162656cULL);
+  const at::Tensor order = at::randperm(num_classes, gen, at::kLong);
+  const int64_t* o = order.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_classes; ++i)
+    map[static_cast<size_t>(o[i])] = o[(i + 1) % num_classes];
+  return map;
+}
+
+Dataset flip_labels(const Dataset& data, const std::vector<int64_t>& map) {
+  if (static_cast<int64_t>(map.size()) != data.num_classes)
+    throw std::invalid_argument("flip_labels: the map has " + std::to_string(map.size()) +
+                                " entries, the data set " + std::to_string(data.num_classes) +
+                                " classes");
+  Dataset out = data;
+  out.labels = data.labels.clone();
+  int64_t* l = out.labels.data_ptr<int64_t>();
+  for (int64_t i = 0; i < out.size(); ++i)
+    l[i] = map[static_cast<size_t>(l[i])];
+  return out;
+}
+
+std::vector<int> attacking_ranks(int world, const std::string& ranks, double fraction,
+                                 uint64_t seed) {
+  std::vector<int> out;
+  if (!ranks.empty()) {
+    size_t pos = 0;
+    while (pos <= ranks.size()) {
+      const size_t comma = std::min(ranks.find(',', pos), ranks.size());
+      const std::string item = ranks.substr(pos, comma - pos);
+      size_t used = 0;
+      int r = -1;
+      try {
+        r = std::stoi(item, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used == 0 || used != item.size() || r < 0 || r >= world)
+        throw std::invalid_argument("--flip-ranks: expected ranks in [0, " +
+                                    std::to_string(world - 1) + "] separated by commas, got '" +
+                                    ranks + "'");
+      out.push_back(r);
+      pos = comma + 1;
+    }
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    return out;
+  }
+  if (!(fraction >= 0.0 && fraction <= 1.0))
+    throw std::invalid_argument("--flip-fraction: expected a value in [0, 1], got " +
+                                std::to_string(fraction));
+  const auto count = static_cast<int64_t>(std::llround(fraction * world));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed ^ 0x666c6970ULL);
+  const at::Tensor order = at::randperm(world, gen, at::kLong);
+  for (int64_t i = 0; i < count; ++i)
+    out.push_back(static_cast<int>(order.data_ptr<int64_t>()[i]));
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 }  // namespace examples

@@ -62,6 +62,21 @@ Dataset make_synthetic(int64_t n, int64_t classes, int64_t channels, int64_t sid
 // The first `n` samples (all when n <= 0 or n >= size).
 Dataset take(const Dataset& data, int64_t n);
 
+// ---- attack emulation: label flipping ----
+
+// The class map of a label-flipping attack on `num_classes` classes: "reverse" sends
+// l -> C - 1 - l; "permutation" a permutation seeded by `seed` that moves every class (no
+// l -> l; the same map on every rank for one seed). Throws std::invalid_argument naming
+// the mode otherwise.
+std::vector<int64_t> flip_map(const std::string& mode, int64_t num_classes, uint64_t seed);
+// data.labels[i] <- map[data.labels[i]] (a new labels tensor; images are shared).
+Dataset flip_labels(const Dataset& data, const std::vector<int64_t>& map);
+// The attacking ranks of a world of `world` ranks: the ranks listed in `ranks` ("2,5",
+// each in [0, world)), or, when it is empty, round(fraction * world) ranks drawn with
+// `seed` (the same on every rank). Sorted. Throws std::invalid_argument naming the flag.
+std::vector<int> attacking_ranks(int world, const std::string& ranks, double fraction,
+                                 uint64_t seed);
+
 // Per-channel mean and standard deviation of the images, scaled to [0, 1].
 std::pair<std::vector<double>, std::vector<double>> channel_stats(const Dataset& data);
 

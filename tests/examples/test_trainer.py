@@ -150,6 +150,38 @@ class Trainer(unittest.TestCase):
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("is incomplete or missing", r.stderr)
 
+    def test_quantized_trimmed_exchange_and_label_flipping(self):
+        # 8-bit quantized gossip sends about a quarter of the float32 bytes (chunks of 1024:
+        # 25.2%) and still trains; the trimmed mean refuses pair groups; a flipping rank is
+        # named in config.json.
+        outs = {}
+        for name, extra in (("float", ["--aggregator", "mean"]),
+                            ("q8", ["--aggregator", "mean", "--codec", "quantize"])):
+            out = os.path.join(self.tmp.name, "exchange-" + name)
+            r = trainer(SMALL + ["--topology", "ring", "--output", out] + extra)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            outs[name] = self.check_run(out, name, True)
+        self.assertIn("# exchange: mean of quantize(8 bit, chunk 1024)", r.stdout)
+        share = outs["q8"]["bytes_sent_per_rank"] / outs["float"]["bytes_sent_per_rank"]
+        self.assertGreater(share, 0.25)
+        self.assertLess(share, 0.27)
+        r = trainer(SMALL + ["--topology", "ring", "--aggregator", "trimmed-mean", "--output",
+                             os.path.join(self.tmp.name, "trim-ring")], timeout=120)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("aggregator trimmed-mean(b=1) drops 1 values at each end", r.stderr)
+        out = os.path.join(self.tmp.name, "flip")
+        r = trainer(SMALL + ["--flip-ranks", "1", "--flip-mode", "permutation", "--output", out])
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("# attack: rank(s) 1 train on labels flipped by permutation", r.stdout)
+        with open(os.path.join(out, "config.json")) as f:
+            self.assertEqual(json.load(f)["flipping_ranks"], [1])
+        r = trainer(SMALL + ["--flip-ranks", "2"], timeout=120)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("--flip-ranks: expected ranks in [0, 1]", r.stderr)
+        r = trainer(SMALL + ["--mode", "allreduce", "--codec", "quantize"], timeout=120)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("--aggregator and --codec apply to --mode decentralized", r.stderr)
+
     def test_bad_settings(self):
         cfg = os.path.join(self.tmp.name, "bad.json")
         with open(cfg, "w") as f:

@@ -408,3 +408,40 @@ TEST_CASE("models: parameter counts and shapes", "[models]") {
   CHECK_THROWS_WITH(make_model("resnet20", 3, 10, 4),
                     Catch::Contains("image_size of resnet20 must be >= 8, got 4"));
 }
+
+TEST_CASE("label flipping: maps, flipped copies and the attacking ranks", "[data][attack]") {
+  // reverse: l -> C - 1 - l.
+  CHECK(flip_map("reverse", 4, 0) == std::vector<int64_t>({3, 2, 1, 0}));
+  // permutation: a bijection that moves every class, the same for one seed.
+  for (int64_t classes : {2, 3, 10, 100}) {
+    const auto map = flip_map("permutation", classes, 5);
+    std::vector<int64_t> sorted = map;
+    std::sort(sorted.begin(), sorted.end());
+    for (int64_t l = 0; l < classes; ++l) {
+      CHECK(sorted[l] == l);
+      CHECK(map[l] != l);
+    }
+    CHECK(flip_map("permutation", classes, 5) == map);
+  }
+  CHECK(flip_map("permutation", 10, 5) != flip_map("permutation", 10, 6));
+  CHECK_THROWS_WITH(flip_map("sideways", 10, 0), Catch::Contains("--flip-mode"));
+  CHECK_THROWS_WITH(flip_map("reverse", 1, 0), Catch::Contains("at least 2 classes"));
+  // A flipped copy: new labels, the same images, the original untouched.
+  auto data = make_synthetic(50, 10, 1, 4, 3, true);
+  const at::Tensor before = data.labels.clone();
+  auto flipped = flip_labels(data, flip_map("reverse", 10, 0));
+  CHECK(data.labels.equal(before));
+  CHECK(flipped.labels.equal(9 - before));
+  CHECK(flipped.images.data_ptr() == data.images.data_ptr());
+  // Attacking ranks: a list (sorted, duplicates dropped) or a seeded fraction.
+  CHECK(attacking_ranks(8, "5,2,5", 0, 0) == std::vector<int>({2, 5}));
+  CHECK(attacking_ranks(8, "", 0, 0).empty());
+  const auto some = attacking_ranks(8, "", 0.25, 11);
+  CHECK(some.size() == 2);
+  CHECK(attacking_ranks(8, "", 0.25, 11) == some);
+  CHECK(attacking_ranks(8, "", 1.0, 11).size() == 8);
+  for (const char* bad : {"8", "-1", "1,,2", "x", "1.5"})
+    CHECK_THROWS_WITH(attacking_ranks(8, bad, 0, 0),
+                      Catch::Contains("--flip-ranks: expected ranks in [0, 7]"));
+  CHECK_THROWS_WITH(attacking_ranks(8, "", 1.5, 0), Catch::Contains("--flip-fraction"));
+}
