@@ -73,12 +73,13 @@ void TrimmedMeanAggregator::check(const topology::Topology& topology) const {
   for (int s = 0; s < topology.period(); ++s) {
     for (const topology::Group& g : topology.slot(s)) {
       if (g.size() > 1 && g.size() <= 2 * b_) {
-        throw InvalidArgument(
-            detail::cat("aggregator trimmed-mean(b=", b_, ") drops ", b_,
-                        " values at each end and needs groups of more than ", 2 * b_,
-                        " members, but topology '", topology.name(), "' has group ",
-                        ranks_to_string(g.ranks), " (", g.size(), " members) in slot ", s,
-                        "; use a smaller b or a topology with larger groups (e.g. complete)"));
+        throw InvalidArgument(detail::cat(
+            "aggregator trimmed-mean(b=", b_, ") drops ", b_,
+            " values at each end and needs groups of more than ", 2 * b_,
+            " members, but topology '", topology.name(), "' has group ", ranks_to_string(g.ranks),
+            " (", g.size(), " members) in slot ", s,
+            "; use a smaller b or a topology with larger groups (complete, or random-<k> with "
+            "k > 2b)"));
       }
     }
   }

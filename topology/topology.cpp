@@ -339,6 +339,76 @@ std::vector<Slot> RingTopology::make_slots() const {
   return {first, second};
 }
 
+namespace {
+
+// splitmix64: a small, fully specified generator, so every rank (and every standard library)
+// draws the same partitions from one seed.
+struct SplitMix64 {
+  uint64_t state;
+  uint64_t next() {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [0, bound), without modulo bias.
+  uint64_t below(uint64_t bound) {
+    const uint64_t limit = UINT64_MAX - UINT64_MAX % bound;
+    uint64_t v = next();
+    while (v >= limit) {
+      v = next();
+    }
+    return v % bound;
+  }
+};
+
+}  // namespace
+
+RandomGroupsTopology::RandomGroupsTopology(int world_size, int local_world_size, int group_size,
+                                           uint64_t seed, int period)
+    : Topology(seed == 0 ? fmt::format("random-{}", group_size)
+                         : fmt::format("random-{}:{}", group_size, seed),
+               world_size, local_world_size),
+      group_size_(group_size),
+      seed_(seed),
+      period_(period) {
+  if (group_size < 2) {
+    throw InvalidArgument(
+        fmt::format("random-<k> topology: the group size k must be >= 2, got {}", group_size));
+  }
+  if (period < 1) {
+    throw InvalidArgument(fmt::format("random-<k> topology: period must be >= 1, got {}", period));
+  }
+}
+
+std::vector<Slot> RandomGroupsTopology::make_slots() const {
+  const int n = world_size();
+  const int groups = std::max(1, n / group_size_);
+  SplitMix64 gen{seed_ ^ (static_cast<uint64_t>(group_size_) << 32) ^ static_cast<uint64_t>(n)};
+  std::vector<Slot> slots;
+  for (int s = 0; s < period_; ++s) {
+    std::vector<int> order(n);
+    for (int r = 0; r < n; ++r) {
+      order[r] = r;
+    }
+    for (int i = n - 1; i > 0; --i) {  // Fisher-Yates
+      std::swap(order[i], order[gen.below(static_cast<uint64_t>(i) + 1)]);
+    }
+    Slot slot;
+    int next = 0;
+    for (int g = 0; g < groups; ++g) {
+      const int size = n / groups + (g < n % groups ? 1 : 0);
+      slot.push_back(
+          make_group(std::vector<int>(order.begin() + next, order.begin() + next + size)));
+      next += size;
+    }
+    std::sort(slot.begin(), slot.end(),
+              [](const Group& a, const Group& b) { return a.ranks.front() < b.ranks.front(); });
+    slots.push_back(std::move(slot));
+  }
+  return slots;
+}
+
 OnePeerExpTopology::OnePeerExpTopology(int world_size, int local_world_size)
     : Topology("one-peer-exp", world_size, local_world_size) {}
 
@@ -508,6 +578,36 @@ void register_alias(const std::string& alias, const std::string& target) {
   r.aliases[alias] = resolved;
 }
 
+namespace {
+
+// "random-<k>" or "random-<k>:<seed>" -> a RandomGroupsTopology factory; InvalidArgument
+// naming the expected form otherwise.
+TopologyFactory random_groups_factory(const std::string& name) {
+  auto number = [&name](const std::string& text, uint64_t max) {
+    if (text.empty() || text.size() > 19 ||
+        text.find_first_not_of("0123456789") != std::string::npos || std::stoull(text) > max) {
+      throw InvalidArgument(fmt::format(
+          "unknown topology '{}'; the random-groups family is random-<k> or random-<k>:<seed> "
+          "with integers k >= 2 and seed >= 0, e.g. random-5 or random-5:7",
+          name));
+    }
+    return std::stoull(text);
+  };
+  const std::string rest = name.substr(7);
+  const size_t colon = rest.find(':');
+  const auto k = static_cast<int>(number(rest.substr(0, colon), 1u << 30));
+  const uint64_t seed = colon == std::string::npos ? 0 : number(rest.substr(colon + 1), UINT64_MAX);
+  if (k < 2) {
+    throw InvalidArgument(
+        fmt::format("topology '{}': the group size k must be >= 2, got {}", name, k));
+  }
+  return [k, seed](int n, int lws) {
+    return std::unique_ptr<Topology>(new RandomGroupsTopology(n, lws, k, seed));
+  };
+}
+
+}  // namespace
+
 bool is_registered(const std::string& name) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
@@ -531,7 +631,9 @@ std::unique_ptr<Topology> make_topology(const std::string& name, int world_size,
     auto& r = registry();
     std::lock_guard<std::mutex> lock(r.mutex);
     auto it = r.factories.find(r.resolve(name));
-    if (it == r.factories.end()) {
+    if (it == r.factories.end() && name.rfind("random-", 0) == 0) {
+      factory = random_groups_factory(name);
+    } else if (it == r.factories.end()) {
       std::vector<std::string> known;
       for (const auto& kv : r.factories) {
         known.push_back(kv.first);
@@ -541,9 +643,11 @@ std::unique_ptr<Topology> make_topology(const std::string& name, int world_size,
       }
       std::sort(known.begin(), known.end());
       throw InvalidArgument(
-          fmt::format("unknown topology '{}'; expected one of: {}", name, fmt::join(known, ", ")));
+          fmt::format("unknown topology '{}'; expected one of: {}, or random-<k>[:<seed>]", name,
+                      fmt::join(known, ", ")));
+    } else {
+      factory = it->second;
     }
-    factory = it->second;
   }
   std::unique_ptr<Topology> topo = factory(world_size, local_world_size);
   if (!topo) {

@@ -153,6 +153,30 @@ class AlternatingExpRingTopology : public Topology {
   std::vector<Slot> make_slots() const override;
 };
 
+// Every slot a seeded random partition of the ranks into floor(n / k) groups, as even as
+// possible (so each has between k and 2k - 1 members), each mixing uniformly; the
+// `period` slots then repeat. The same on every rank: it depends on the seed, not the rank.
+// Groups larger than pairs are what robust aggregation needs (a trimmed mean dropping b
+// values at each end needs more than 2b members). With n < 2k: one group of all ranks.
+// make_topology() builds it for the names "random-<k>" and "random-<k>:<seed>" (seed 0 by
+// default), e.g. "random-5" or "random-5:7".
+class RandomGroupsTopology : public Topology {
+ public:
+  static constexpr int kDefaultPeriod = 16;
+  RandomGroupsTopology(int world_size, int local_world_size, int group_size, uint64_t seed = 0,
+                       int period = kDefaultPeriod);
+  int group_size() const { return group_size_; }
+  uint64_t seed() const { return seed_; }
+
+ protected:
+  std::vector<Slot> make_slots() const override;
+
+ private:
+  int group_size_;
+  uint64_t seed_;
+  int period_;
+};
+
 // ---- registry ----
 
 using TopologyFactory =
@@ -169,7 +193,8 @@ bool is_registered(const std::string& name);
 // Canonical names of every registered topology, sorted.
 std::vector<std::string> registered_topologies();
 // Builds and validates a topology; throws InvalidArgument for an unknown name or bad
-// sizes and TopologyError when the world size violates the topology's constraint.
+// sizes and TopologyError when the world size violates the topology's constraint. Besides
+// the registered names it takes the family "random-<k>[:<seed>]" (RandomGroupsTopology).
 std::unique_ptr<Topology> make_topology(const std::string& name, int world_size,
                                         int local_world_size);
 

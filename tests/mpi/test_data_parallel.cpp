@@ -692,6 +692,18 @@ TEST_CASE("a trimmed-mean aggregator matches the simulator and ignores a lying m
       check_matches(*net, sim.model(rank), 1e-5);
     }
   }
+  if (n >= 6) {
+    // Random groups of at least three: b = 1 on a topology whose groups change every step.
+    INFO("rank " << rank << " topology random-3 b 1");
+    auto o = small_buckets("random-3", 1);
+    o.aggregator = std::make_shared<TrimmedMeanAggregator>(1);
+    auto net = train_mlp(o, factory, 12);
+    testing::Simulator sim([] { return make_mlp().ptr(); }, n, "random-3", 1, factory);
+    sim.set_trimmed_mean(1);
+    for (int step = 0; step < 12; ++step)
+      sim.step(mlp_loss, step);
+    check_matches(*net, sim.model(rank), 1e-5);
+  }
   if (n < 3)
     return;
   // Rank 0 adds 1e6 to everything it sends. The mean carries it to every other rank; the

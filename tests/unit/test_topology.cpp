@@ -1,5 +1,6 @@
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 #include <string>
@@ -191,7 +192,8 @@ TEST_CASE("constraint violations name the topology, the constraint and the numbe
   CHECK_THROWS_WITH(make_topology("aer", 4, 4), Catch::Contains("power of two >= 2, got 1"));
   CHECK_THROWS_MATCHES(make_topology("nosuch", 4, 1), InvalidArgument,
                        Catch::Message("unknown topology 'nosuch'; expected one of: aer, "
-                                      "alternating-exp-ring, complete, exp, one-peer-exp, ring"));
+                                      "alternating-exp-ring, complete, exp, one-peer-exp, ring, "
+                                      "or random-<k>[:<seed>]"));
   CHECK_THROWS_WITH(make_topology("complete", 0, 1),
                     Catch::Contains("world_size must be >= 1, got 0"));
   CHECK_THROWS_WITH(make_topology("complete", 4, 5),
@@ -310,4 +312,60 @@ TEST_CASE("dense matrices of huge worlds are refused with the limit, not bad_all
   CHECK(topo->period() == 1);
   CHECK_THROWS_WITH(topo->mixing_matrix(0), Catch::Contains("n must be <= 4096, got 100000"));
   CHECK_THROWS_WITH(topo->spectral_gap(), Catch::Contains("n must be <= 4096, got 100000"));
+}
+
+TEST_CASE("random-<k>: seeded partitions into groups of at least k", "[topology][random]") {
+  for (int n : {2, 5, 8, 11, 16}) {
+    for (int k : {2, 3, 5}) {
+      INFO("n " << n << " k " << k);
+      auto t = make_topology("random-" + std::to_string(k), n, 1);
+      CHECK(t->name() == "random-" + std::to_string(k));
+      CHECK(t->period() == RandomGroupsTopology::kDefaultPeriod);
+      for (int s = 0; s < t->period(); ++s) {
+        std::vector<int> seen(n, 0);
+        for (const auto& g : t->slot(s)) {
+          // floor(n / k) groups as even as possible (one group of all ranks when n < 2k),
+          // mixing uniformly.
+          if (n >= 2 * k) {
+            CHECK(g.size() >= k);
+            CHECK(g.size() <= (n + n / k - 1) / (n / k));
+          } else {
+            CHECK(g.size() == n);
+          }
+          CHECK(g.self_weight == Approx(1.0 / g.size()));
+          for (int r : g.ranks)
+            ++seen[r];
+        }
+        CHECK(std::count(seen.begin(), seen.end(), 1) == n);  // a partition
+      }
+    }
+  }
+  // The same slots for the same name (every rank builds the same schedule), other ones for
+  // another seed, and not the same partition in every slot.
+  auto a = make_topology("random-3", 12, 1);
+  auto b = make_topology("random-3", 12, 1);
+  auto c = make_topology("random-3:7", 12, 1);
+  CHECK(c->name() == "random-3:7");
+  bool differs_from_c = false, slots_vary = false;
+  for (int s = 0; s < a->period(); ++s) {
+    CHECK(a->slot(s) == b->slot(s));
+    differs_from_c = differs_from_c || !(a->slot(s) == c->slot(s));
+    slots_vary = slots_vary || !(a->slot(s) == a->slot(0));
+  }
+  CHECK(differs_from_c);
+  CHECK(slots_vary);
+  // Each rank meets many others over one period.
+  std::vector<int> met(12, 0);
+  for (int s = 0; s < a->period(); ++s)
+    for (int r : a->group_of(0, s).ranks)
+      met[r] = 1;
+  CHECK(std::count(met.begin(), met.end(), 1) >= 8);
+}
+
+TEST_CASE("random-<k>: malformed names are refused with the expected form", "[topology][random]") {
+  for (const char* bad :
+       {"random-", "random-x", "random-3:", "random-3:y", "random--3", "random-3:1:2"})
+    CHECK_THROWS_WITH(make_topology(bad, 8, 1), Catch::Contains("random-<k> or random-<k>:<seed>"));
+  CHECK_THROWS_WITH(make_topology("random-1", 8, 1), Catch::Contains("must be >= 2, got 1"));
+  CHECK_THROWS_WITH(make_topology("nonesuch", 8, 1), Catch::Contains("or random-<k>[:<seed>]"));
 }
