@@ -6,19 +6,12 @@
 #include <cmath>
 #include <cstring>
 
+#include "decent_dp/detail/multiversion.h"
 #include "decent_dp/errors.h"
 
 namespace decent_dp {
 namespace quantize {
 namespace {
-
-// Built for AVX-512, AVX2 and baseline x86-64 (as the ring's reduction loops).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(DECENT_DP_NO_MULTIVERSION)
-#define DECENT_DP_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define DECENT_DP_MULTIVERSION
-#endif
 
 constexpr uint32_t kExponent = 0x7f800000u;  // all ones: NaN or infinity
 

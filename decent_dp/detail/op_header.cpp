@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "decent_dp/communicator.h"
 #include "decent_dp/detail/allgather.h"
 #include "decent_dp/errors.h"
 
@@ -69,11 +70,7 @@ void check_op_headers(const std::vector<OpHeader>& all, int index, const std::ve
     if (static_cast<int>(m) == index || same_operation(all[m], mine)) {
       continue;
     }
-    std::string group = "[";
-    for (size_t i = 0; i < ranks.size(); ++i) {
-      group += (i ? "," : "") + std::to_string(ranks[i]);
-    }
-    group += "]";
+    const std::string group = ranks_to_string(ranks);
     std::string label_note;
     if (all[m].magic == mine.magic && all[m].label_hash != mine.label_hash &&
         summary_of(all[m]) == summary_of(mine)) {

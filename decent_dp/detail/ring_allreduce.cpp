@@ -7,20 +7,13 @@
 #include <climits>
 
 #include "decent_dp/detail/mpi_check.h"
+#include "decent_dp/detail/multiversion.h"
 #include "decent_dp/detail/progress_engine.h"
 #include "decent_dp/errors.h"
 
 namespace decent_dp {
 namespace detail {
 namespace {
-
-// Built for AVX-512, AVX2 and baseline x86-64; the loader picks the best the CPU has.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(DECENT_DP_NO_MULTIVERSION)
-#define DECENT_DP_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define DECENT_DP_MULTIVERSION
-#endif
 
 // out = a + b, or (a + b) / k with `k` > 1 (the sum rounded to T first, as an add followed by
 // a divide would); `out` may be `a`.
