@@ -3,6 +3,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <sstream>
@@ -55,6 +56,20 @@ std::vector<BucketSpec> plan_buckets(const std::vector<BucketEntry>& entries, in
   return closed;
 }
 
+void zero_padding(const BucketSpec& spec, const BucketStorage& storage, const at::Tensor& block) {
+  int64_t end = 0;
+  for (size_t k = 0; k < storage.param_views.size(); ++k) {
+    const int64_t offset = spec.offsets[k];
+    if (offset > end) {
+      block.narrow(0, end, offset - end).zero_();
+    }
+    end = std::max(end, offset + storage.param_views[k].numel());
+  }
+  if (end < block.numel()) {
+    block.narrow(0, end, block.numel() - end).zero_();
+  }
+}
+
 BucketStorage make_bucket_storage(const BucketSpec& spec, const std::vector<at::Tensor>& params,
                                   bool as_view, bool bind_grads, const BlockAllocator& allocate) {
   BucketStorage s;
@@ -70,6 +85,7 @@ BucketStorage make_bucket_storage(const BucketSpec& spec, const std::vector<at::
         "make_bucket_storage: the block allocator must return a contiguous 1-D "
         "tensor of ",
         spec.numel, " elements of ", c10::toString(spec.dtype), " on ", spec.device.str());
+    t.zero_();  // Note [block padding]
     return t;
   };
   s.params = block();

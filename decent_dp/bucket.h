@@ -57,6 +57,15 @@ struct BucketStorage {
   std::vector<at::Tensor> comm_views;  // laid out like param_views
 };
 
+// Note [block padding]
+// Parameters start at aligned offsets, so a block has gaps. The blocks are allocated zeroed
+// and the gaps must stay zero: a codec encodes, and an aggregator reads, the whole block,
+// so a gap holding a stale value changes the quantization range of its chunk, and a resumed
+// run (fresh, zeroed blocks) would no longer match the run it resumes. The optimizers keep
+// a zero gap zero (zero gradient there, decay of zero); the gather exchange zeroes x's gaps
+// after mixing, since decoded rows need not be zero there.
+void zero_padding(const BucketSpec& spec, const BucketStorage& storage, const at::Tensor& block);
+
 // Allocates the blocks of `spec` and lays out views shaped and strided like `params`
 // (the bucket's parameters, in spec order). With `as_view`, each parameter's data becomes
 // its view (set_data) and its gradient the gradient view (an existing gradient is copied

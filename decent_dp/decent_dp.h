@@ -2,6 +2,7 @@
 // schedulers and their factories.
 #pragma once
 
+#include "decent_dp/compensated_codec.h"
 #include "decent_dp/decent_optim_wrapper.h"
 #include "decent_dp/decentralized_data_parallel.h"
 #include "decent_dp/distributed_data_parallel.h"

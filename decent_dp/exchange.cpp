@@ -245,8 +245,9 @@ void GossipExchange::launch_gather(Bucket& bucket, const topology::Group& group,
       state.payload =
           comm_->allocate(np, at::TensorOptions().dtype(pdtype).device(bucket.spec.device));
     }
-    stages_.codec->encode(bucket.storage.params, state.payload,
-                          CodecContext{bucket.index, update, comm_->rank()});
+    stages_.codec->encode(
+        bucket.storage.params, state.payload,
+        CodecContext{bucket.index, update, comm_->rank(), topology_.slot_index(update)});
     payload = state.payload;
   }
   at::Tensor& received = state.received[k];
@@ -286,7 +287,8 @@ void GossipExchange::apply_gather(Bucket& bucket, int64_t /*update*/) {
         decoded.select(0, m).copy_(x);  // this rank's own exact block
       } else {
         stages_.codec->decode(payloads.select(0, m), decoded.select(0, m),
-                              CodecContext{bucket.index, state.launched_update, group.ranks[m]});
+                              CodecContext{bucket.index, state.launched_update, group.ranks[m],
+                                           topology_.slot_index(state.launched_update)});
       }
     }
     rows = decoded;
@@ -302,6 +304,7 @@ void GossipExchange::apply_gather(Bucket& bucket, int64_t /*update*/) {
   } else if (adaptive_factor_ != 0.0) {
     x.lerp_(state.mixed, adaptive_factor_);
   }
+  zero_padding(bucket.spec, bucket.storage, x);  // Note [block padding]
 }
 
 }  // namespace decent_dp

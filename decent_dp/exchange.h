@@ -48,6 +48,8 @@ class Exchange {
   // pending() returned.
   virtual void restore_pending(Bucket& bucket, int64_t update,
                                const std::vector<at::Tensor>& saved);
+  // The gossip exchange's codec (null: none, or not a gossip exchange).
+  virtual Codec* codec() const { return nullptr; }
   // Seconds spent blocked in waits on exchanges that had not finished.
   double wait_seconds() const { return wait_seconds_; }
 
@@ -85,6 +87,7 @@ class GossipExchange final : public Exchange {
   void set_adaptive_factor(double a);
   double adaptive_factor() const { return adaptive_factor_; }
   const ExchangeStages& stages() const { return stages_; }
+  Codec* codec() const override { return stages_.codec.get(); }
 
  private:
   void launch_gather(Bucket& bucket, const topology::Group& group, int64_t update);

@@ -9,6 +9,11 @@
 
 namespace decent_dp {
 
+void Codec::load_state(const NamedTensors& state) {
+  DECENT_DP_CHECK_ARG(state.empty(), name(), ": keeps no state between updates, got ", state.size(),
+                      " tensor(s), the first '", state.front().first, "'");
+}
+
 void MeanAggregator::aggregate(const at::Tensor& rows, int64_t self, const topology::Group& group,
                                const at::Tensor& out) {
   const int64_t k = rows.size(0);

@@ -18,16 +18,21 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "decent_dp/topology/topology.h"
 
 namespace decent_dp {
 
-// Where a codec runs: which bucket, which update, which rank.
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// Where a codec runs: which bucket, which update and slot, which rank.
 struct CodecContext {
   size_t bucket = 0;
   int64_t update = 0;
   int rank = 0;  // the rank whose payload this is
+  int slot = 0;  // the topology slot of the exchange (update mod period)
 };
 
 class Codec {
@@ -43,6 +48,10 @@ class Codec {
   // Writes the block that `payload` (sent by ctx.rank) stands for into `out` (like x).
   virtual void decode(const at::Tensor& payload, const at::Tensor& out,
                       const CodecContext& ctx) = 0;
+  // A codec that keeps state between updates (ErrorCompensatedCodec) lists it here for
+  // checkpoints, and load_state() puts it back; a stateless codec refuses any state.
+  virtual NamedTensors state() const { return {}; }
+  virtual void load_state(const NamedTensors& state);
 };
 
 class Aggregator {

@@ -9,10 +9,9 @@
 #include <vector>
 
 #include "decent_dp/communicator.h"
+#include "decent_dp/exchange_stage.h"  // NamedTensors
 
 namespace decent_dp {
-
-using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 // Collective. Throws InvalidArgument on every rank unless all ranks hold the same entries
 // (names, shapes, dtypes, requires_grad) in the same order; the message shows rank 0's and

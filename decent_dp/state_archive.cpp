@@ -151,6 +151,15 @@ void write_buckets(torch::serialize::OutputArchive& ar, BucketSet& buckets, Exch
     write_int(ar, bucket_key(b, "exchange_update"), pending.empty() ? -1 : bucket.exchange_update);
     write_tensors(ar, bucket_key(b, "pending_"), pending);
   }
+  // The codec's state between updates (Note [error compensation]), written after every
+  // pending() so it is the state those exchanges left.
+  const Codec* codec = exchange.codec();
+  const NamedTensors state = codec != nullptr ? codec->state() : NamedTensors{};
+  write_int(ar, "codec_state_count", static_cast<int64_t>(state.size()));
+  for (size_t i = 0; i < state.size(); ++i) {
+    ar.write(detail::cat("codec_state_", i, "_name"), c10::IValue(state[i].first));
+    write_tensor(ar, detail::cat("codec_state_", i), state[i].second);
+  }
 }
 
 void read_buckets(torch::serialize::InputArchive& ar, BucketSet& buckets, Exchange& exchange) {
@@ -186,6 +195,33 @@ void read_buckets(torch::serialize::InputArchive& ar, BucketSet& buckets, Exchan
     if (update >= 0) {
       exchange.restore_pending(bucket, update, saved);
     }
+  }
+  // Checkpoints written before codecs kept state have no such field: no state.
+  c10::IValue probe;
+  const int64_t count =
+      ar.try_read("codec_state_count", probe) ? read_int(ar, "codec_state_count") : 0;
+  NamedTensors state;
+  for (int64_t i = 0; i < count; ++i) {
+    const c10::IValue name = read_value(ar, detail::cat("codec_state_", i, "_name"));
+    if (!name.isString()) {
+      throw CheckpointError(
+          detail::cat("checkpoint payload: field 'codec_state_", i, "_name' is not a string"));
+    }
+    state.emplace_back(name.toStringRef(), read_tensor(ar, detail::cat("codec_state_", i)));
+  }
+  Codec* codec = exchange.codec();
+  if (codec == nullptr) {
+    if (!state.empty()) {
+      throw CheckpointError(detail::cat("checkpoint payload: holds ", state.size(),
+                                        " codec state tensor(s) (an error-compensated codec), "
+                                        "this wrapper has no codec"));
+    }
+    return;
+  }
+  try {
+    codec->load_state(state);
+  } catch (const InvalidArgument& e) {
+    throw CheckpointError(detail::cat("checkpoint payload: codec state: ", e.what()));
   }
 }
 

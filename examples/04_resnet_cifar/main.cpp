@@ -84,7 +84,7 @@ struct Config {
   std::string aggregator =
       "auto";                  // auto (the all-reduce fast path) | mean | median | trimmed-mean
   int64_t trim = 1;            // trimmed-mean: values dropped at each end per coordinate
-  std::string codec = "none";  // none | quantize
+  std::string codec = "none";  // none | quantize | quantize-ec
   int codec_bits = 8;
   int64_t codec_chunk = 1024;
   // Attack emulation: ranks that train on flipped labels.
@@ -192,8 +192,10 @@ void bind(CLI::App& app, Config& c, std::string& config_path) {
       ->check(CLI::IsMember({"auto", "mean", "median", "trimmed-mean"}));
   app.add_option("--trim", c.trim, "trimmed-mean: values dropped at each end per coordinate")
       ->check(kNonNegative);
-  app.add_option("--codec", c.codec, "decentralized: what a rank sends, none or quantize")
-      ->check(CLI::IsMember({"none", "quantize"}));
+  app.add_option("--codec", c.codec,
+                 "decentralized: what a rank sends, none, quantize or quantize-ec (quantized "
+                 "changes against the last value sent: error compensation)")
+      ->check(CLI::IsMember({"none", "quantize", "quantize-ec"}));
   app.add_option("--codec-bits", c.codec_bits, "quantize: 8 or 4 bits per value")
       ->check(CLI::IsMember({8, 4}));
   app.add_option("--codec-chunk", c.codec_chunk, "quantize: values per (minimum, step) pair")
@@ -763,6 +765,9 @@ int run(const Config& cfg) {
     options.aggregator = std::make_shared<decent_dp::TrimmedMeanAggregator>(cfg.trim);
   if (cfg.codec == "quantize")
     options.codec = std::make_shared<decent_dp::QuantizeCodec>(cfg.codec_bits, cfg.codec_chunk);
+  else if (cfg.codec == "quantize-ec")
+    options.codec = std::make_shared<decent_dp::ErrorCompensatedCodec>(
+        std::make_shared<decent_dp::QuantizeCodec>(cfg.codec_bits, cfg.codec_chunk));
   auto optim_fn = make_optimizer(cfg);
   auto sched_fn = make_schedule(cfg, steps_per_epoch);
   std::unique_ptr<Runner> runner;

@@ -12,10 +12,12 @@
 #include <cstdlib>
 #include <fstream>
 
+#include "decent_dp/compensated_codec.h"
 #include "decent_dp/decent_optim_wrapper.h"
 #include "decent_dp/decentralized_data_parallel.h"
 #include "decent_dp/distributed_data_parallel.h"
 #include "decent_dp/optim/factories.h"
+#include "decent_dp/quantize_codec.h"
 #include "mpi_test_util.h"
 
 using namespace decent_dp;
@@ -209,6 +211,14 @@ TEST_CASE("resume is exact in all-reduce mode and with a robust aggregator", "[c
       DataParallelOptions o = options_for(comm().size() % 2 == 0 ? "ring" : "complete");
       o.aggregator = std::make_shared<MedianAggregator>();
       return Gossip(net, o, optim::accum_adamw(), nullptr, shared_comm());
+    });
+  }
+  SECTION("gossip, error-compensated 4-bit quantization (the codec's estimates)") {
+    check_exact_resume<Gossip>("compensated", 3, 4, [&](auto& net) {
+      const int n = comm().size();
+      DataParallelOptions o = options_for(n > 2 && (n & (n - 1)) == 0 ? "exp" : "complete");
+      o.codec = std::make_shared<ErrorCompensatedCodec>(std::make_shared<QuantizeCodec>(4, 64));
+      return Gossip(net, o, optim::adamw(), nullptr, shared_comm());
     });
   }
   SECTION("saved before the first backward") {
