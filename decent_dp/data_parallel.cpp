@@ -36,6 +36,7 @@ DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
                       options_.bucket_cap_mb);
   DECENT_DP_CHECK_ARG(options_.grad_clip_norm >= 0, who, ": grad_clip_norm must be >= 0, got ",
                       options_.grad_clip_norm);
+  privacy::check(options_.privacy, who);
   DECENT_DP_CHECK_ARG(options_.local_world_size >= 0, who,
                       ": local_world_size must be >= 0 (0: found through MPI), got ",
                       options_.local_world_size);
@@ -218,6 +219,16 @@ void DataParallelCore::on_bucket(size_t b) {
   at::NoGradGuard no_grad;
   Bucket& bucket = buckets_[b];
   binding_->before_update(bucket);
+  if (options_.privacy.enabled()) {
+    if (bucketed_numel_ == 0) {
+      for (const Bucket& x : buckets_) {
+        for (const at::Tensor& v : x.storage.param_views) {
+          bucketed_numel_ += v.numel();
+        }
+      }
+    }
+    privacy::privatize(bucket, options_.privacy, control_->rank(), updates_ + 1, bucketed_numel_);
+  }
   exchange_->on_bucket_ready(bucket, updates_ + 1, [this](Bucket& x) { take_update(x); });
 }
 

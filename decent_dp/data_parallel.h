@@ -26,6 +26,7 @@
 #include "decent_dp/global_averager.h"
 #include "decent_dp/model_sync.h"
 #include "decent_dp/optim/factories.h"
+#include "decent_dp/privacy.h"
 #include "decent_dp/topology/topology.h"
 
 namespace decent_dp {
@@ -54,6 +55,9 @@ struct DataParallelOptions {
   // all-reduce to the mean; otherwise the group all-gather, decoded and aggregated.
   std::shared_ptr<Codec> codec;
   std::shared_ptr<Aggregator> aggregator;
+  // The Gaussian mechanism on each rank's gradient (Note [differential privacy] in
+  // decent_dp/privacy.h), both modes; clip_norm 0: off.
+  PrivacyOptions privacy;
 };
 
 enum class ExchangeMode { kGossip, kAllReduce };
@@ -206,6 +210,7 @@ class DataParallelCore : public torch::nn::Module {
   int64_t shadowed_steps_ = 0;
   int64_t steps_ = 0;
   int64_t updates_ = 0;
+  int64_t bucketed_numel_ = 0;  // parameter elements in the buckets (privacy's N)
 };
 
 namespace detail {

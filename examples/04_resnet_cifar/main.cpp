@@ -23,10 +23,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <mutex>
 
@@ -91,6 +93,11 @@ struct Config {
   std::string flip_ranks;  // "2,5"; empty: flip_fraction of the ranks, drawn with the seed
   double flip_fraction = 0;
   std::string flip_mode = "reverse";  // reverse (l -> C-1-l) | permutation (seeded)
+  // Differential privacy: the Gaussian mechanism on each rank's gradient (library
+  // Note [differential privacy]); the accountant's delta.
+  double dp_clip = 0;  // C (0: off)
+  double dp_sigma = 0;
+  double dp_delta = 1e-5;
 };
 
 // Payload bytes of the exchanges: all-reduces (the fast path, DDP) and all-gathers (the
@@ -209,6 +216,14 @@ void bind(CLI::App& app, Config& c, std::string& config_path) {
   app.add_option("--flip-mode", c.flip_mode,
                  "reverse (label l -> C-1-l) or permutation (a seeded map that moves every class)")
       ->check(CLI::IsMember({"reverse", "permutation"}));
+  app.add_option("--dp-clip", c.dp_clip,
+                 "differential privacy: clip each rank's batch gradient to this norm C (0: off)")
+      ->check(kNonNegative);
+  app.add_option("--dp-sigma", c.dp_sigma,
+                 "differential privacy: noise multiplier, N(0, (sigma C)^2) per coordinate")
+      ->check(kNonNegative);
+  app.add_option("--dp-delta", c.dp_delta, "differential privacy: the delta epsilon is given for")
+      ->check(CLI::Range(0.0, 1.0));
 }
 
 nlohmann::json to_json(const Config& c) {
@@ -253,7 +268,10 @@ nlohmann::json to_json(const Config& c) {
           {"codec-chunk", c.codec_chunk},
           {"flip-ranks", c.flip_ranks},
           {"flip-fraction", c.flip_fraction},
-          {"flip-mode", c.flip_mode}};
+          {"flip-mode", c.flip_mode},
+          {"dp-clip", c.dp_clip},
+          {"dp-sigma", c.dp_sigma},
+          {"dp-delta", c.dp_delta}};
 }
 
 // argv with the JSON file's settings first (so command-line flags, parsed later, win).
@@ -625,8 +643,18 @@ struct Row {
   int epoch;
   double loss, train_acc, test_acc, local_acc, consensus, lr, ips, step_ms, wait_ms, data_ms, sent,
       received, train_s, wall_s;
+  double epsilon;  // of the run so far (NaN: differential privacy off)
 };
-constexpr int64_t kRowFields = 15;
+constexpr int64_t kRowFields = 16;
+
+// Epsilon in JSON: null when differential privacy is off, "inf" without noise.
+nlohmann::json epsilon_json(double e) {
+  if (std::isnan(e))
+    return nullptr;
+  if (std::isinf(e))
+    return "inf";
+  return e;
+}
 
 void write_row(std::ofstream& jsonl, std::ofstream& csv, const Row& r) {
   const nlohmann::json j = {{"epoch", r.epoch},
@@ -644,14 +672,15 @@ void write_row(std::ofstream& jsonl, std::ofstream& csv, const Row& r) {
                             {"bytes_sent_per_rank", r.sent},
                             {"bytes_received_per_rank", r.received},
                             {"train_time_s", r.train_s},
-                            {"wall_time_s", r.wall_s}};
+                            {"wall_time_s", r.wall_s},
+                            {"epsilon", epsilon_json(r.epsilon)}};
   jsonl << j.dump() << "\n" << std::flush;
   csv << fmt::format(
              "{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6e},{:.6e},{:.2f},{:.3f},{:.3f},{:.3f},"
-             "{:.5f},{:.0f},{:.0f},{:.3f},{:.3f}\n",
+             "{:.5f},{:.0f},{:.0f},{:.3f},{:.3f},{}\n",
              r.epoch, r.loss, r.train_acc, r.test_acc, r.local_acc, r.consensus, r.lr, r.ips,
              r.step_ms, r.wait_ms, r.data_ms, r.data_ms / r.step_ms, r.sent, r.received, r.train_s,
-             r.wall_s)
+             r.wall_s, std::isnan(r.epsilon) ? std::string() : fmt::format("{:.6g}", r.epsilon))
       << std::flush;
 }
 
@@ -674,7 +703,8 @@ torch::Tensor rows_to_tensor(const std::vector<Row>& rows) {
                                   r.sent,
                                   r.received,
                                   r.train_s,
-                                  r.wall_s};
+                                  r.wall_s,
+                                  r.epsilon};
     std::memcpy(t[static_cast<int64_t>(i)].data_ptr<double>(), v, sizeof v);
   }
   return t;
@@ -687,7 +717,7 @@ std::vector<Row> rows_from_tensor(const torch::Tensor& t) {
   for (int64_t i = 0; i < t.size(0); ++i) {
     const double* v = t[i].data_ptr<double>();
     rows.push_back(Row{static_cast<int>(v[0]), v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9],
-                       v[10], v[11], v[12], v[13], v[14]});
+                       v[10], v[11], v[12], v[13], v[14], v[15]});
   }
   return rows;
 }
@@ -757,6 +787,29 @@ int run(const Config& cfg) {
   if (cfg.mode != "decentralized" && (cfg.aggregator != "auto" || cfg.codec != "none"))
     throw std::invalid_argument("--aggregator and --codec apply to --mode decentralized, not " +
                                 cfg.mode);
+  if (cfg.mode == "local" && cfg.dp_clip > 0)
+    throw std::invalid_argument(
+        "--dp-clip applies to --mode decentralized or allreduce (local training shares "
+        "nothing), not local");
+  if (cfg.dp_sigma > 0 && cfg.dp_clip == 0)
+    throw std::invalid_argument(
+        fmt::format("--dp-sigma {} needs --dp-clip > 0 (the noise is sigma times the clip norm)",
+                    cfg.dp_sigma));
+  if (cfg.dp_delta <= 0 || cfg.dp_delta >= 1)
+    throw std::invalid_argument(fmt::format("--dp-delta must be in (0, 1), got {}", cfg.dp_delta));
+  options.privacy.clip_norm = cfg.dp_clip;
+  options.privacy.noise_multiplier = cfg.dp_sigma;
+  options.privacy.seed = cfg.seed;
+  // The accountant's view of a step: each rank's batch is a sample of rate q of its shard.
+  const double dp_rate = static_cast<double>(cfg.batch) / sharder.samples_per_rank();
+  auto epsilon_after = [&](int64_t steps) {
+    if (cfg.dp_clip <= 0)
+      return std::numeric_limits<double>::quiet_NaN();
+    return decent_dp::privacy::epsilon(dp_rate,
+                                       decent_dp::privacy::per_example_multiplier(cfg.dp_sigma),
+                                       steps, cfg.dp_delta)
+        .epsilon;
+  };
   if (cfg.aggregator == "mean")
     options.aggregator = std::make_shared<decent_dp::MeanAggregator>();
   else if (cfg.aggregator == "median")
@@ -807,7 +860,7 @@ int run(const Config& cfg) {
       throw std::invalid_argument("--output: cannot write to " + out_dir);
     csv << "epoch,train_loss,train_acc,test_acc,local_test_acc,consensus_distance,lr,"
            "images_per_s,step_ms,exchange_wait_ms,data_wait_ms,data_wait_frac,"
-           "bytes_sent_per_rank,bytes_received_per_rank,train_time_s,wall_time_s\n";
+           "bytes_sent_per_rank,bytes_received_per_rank,train_time_s,wall_time_s,epsilon\n";
     fmt::print(
         "# resnet_cifar: {} ({} parameters) on {} ({} train / {} test images, {}x{}x{}), "
         "{} ranks, mode {}, {} + {}, lr {}, batch {} per rank, {} epochs of {} steps, "
@@ -818,6 +871,12 @@ int run(const Config& cfg) {
     if (options.aggregator || options.codec)
       fmt::print("# exchange: {}{}\n", options.aggregator ? options.aggregator->name() : "mean",
                  options.codec ? " of " + options.codec->name() : std::string());
+    if (cfg.dp_clip > 0)
+      fmt::print(
+          "# privacy: batch gradients clipped to {} with noise sigma {}; accountant: sampling "
+          "rate {:.4g}, noise multiplier {} per example, delta {}\n",
+          cfg.dp_clip, cfg.dp_sigma, dp_rate,
+          decent_dp::privacy::per_example_multiplier(cfg.dp_sigma), cfg.dp_delta);
     if (!flipping.empty())
       fmt::print("# attack: rank(s) {} train on labels flipped by {}\n", fmt::join(flipping, ","),
                  cfg.flip_mode);
@@ -965,6 +1024,7 @@ int run(const Config& cfg) {
     r.received = sums[11] / world;
     r.train_s = train_time;
     r.wall_s = wall_before + std::chrono::duration<double>(Clock::now() - start).count();
+    r.epsilon = epsilon_after(end_step);
     rows.push_back(r);
     if (rank == 0) {
       write_row(jsonl, csv, r);
@@ -973,6 +1033,9 @@ int run(const Config& cfg) {
           "{:.2f}% (local models)  consensus {:.3e}  {:.1f} ms/step\n",
           epoch, cfg.epochs, r.loss, 100 * r.train_acc, 100 * r.test_acc, 100 * r.local_acc,
           r.consensus, r.step_ms);
+      if (!std::isnan(r.epsilon))
+        fmt::print("epoch {}/{}  privacy: ({:.4g}, {:g})-DP per training example so far\n", epoch,
+                   cfg.epochs, r.epsilon, cfg.dp_delta);
       std::fflush(stdout);
     }
     if (cfg.checkpoint_every > 0 && epoch % cfg.checkpoint_every == 0) {
@@ -1028,7 +1091,9 @@ int run(const Config& cfg) {
         {"bytes_sent_per_step", bytes / (static_cast<double>(steps_per_epoch) * rows.size())},
         {"data_wait_frac", last.data_ms / last.step_ms},
         {"train_time_s", last.train_s},
-        {"wall_time_s", last.wall_s}};
+        {"wall_time_s", last.wall_s},
+        {"epsilon", epsilon_json(last.epsilon)},
+        {"delta", cfg.dp_clip > 0 ? nlohmann::json(cfg.dp_delta) : nlohmann::json(nullptr)}};
     std::ofstream(out_dir + "/summary.json") << summary.dump(2) << "\n";
     fmt::print(
         "final: test accuracy {:.2f}% (averaged model), best {:.2f}%, {:.1f} ms/step, "

@@ -843,6 +843,89 @@ TEST_CASE("error compensation: 4-bit gossip tracks the float run far closer than
   }
 }
 
+namespace {
+
+// The change of every parameter element over one step of SGD with lr 1 (so it is minus the
+// privatized gradient), for a loss with the given gradient scale (0: zero gradients).
+template <typename Wrapper>
+at::Tensor one_private_step(const PrivacyOptions& privacy, double grad_scale) {
+  torch::manual_seed(11);  // the same start every call, so equal noise gives equal bits
+  auto net = torch::nn::Sequential(torch::nn::Linear(64, 64), torch::nn::Linear(64, 8));
+  auto o = small_buckets("complete", 1);
+  o.bucket_cap_mb = 4096.0 / (1 << 20);  // several buckets
+  o.privacy = privacy;
+  optim::SgdFactoryOptions sgd;
+  sgd.lr = 1.0;
+  Wrapper model(net, o, optim::sgd(sgd), nullptr, shared_comm());
+  std::vector<at::Tensor> before;
+  for (const auto& p : net->parameters())
+    before.push_back(p.detach().clone());
+  at::Tensor loss = model.forward(torch::ones({2, 64})).sum() * 0.0;
+  for (const auto& p : net->parameters())
+    loss = loss + grad_scale * p.sum();
+  loss.backward();
+  std::vector<at::Tensor> deltas;
+  auto params = net->parameters();
+  for (size_t k = 0; k < params.size(); ++k)
+    deltas.push_back((before[k] - params[k].detach()).flatten());
+  model.synchronize();
+  return at::cat(deltas);
+}
+
+}  // namespace
+
+TEST_CASE("the Gaussian mechanism: clipped to C, noise of sigma C, seeded per rank",
+          "[ddp][privacy]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  using Gossip = DecentralizedDataParallel<torch::nn::Sequential>;
+  using AllReduce = DistributedDataParallel<torch::nn::Sequential>;
+  INFO("rank " << rank);
+  PrivacyOptions clip_only;
+  clip_only.clip_norm = 0.5;
+  // A large gradient: clipped bucket by bucket to C sqrt(n_b / N), so to norm C in all.
+  const at::Tensor clipped = one_private_step<Gossip>(clip_only, 3.0);
+  CHECK(std::abs(clipped.norm().item<double>() - 0.5) < 1e-5);
+  // A small one passes unchanged (the loss gives every element gradient 1e-4).
+  const at::Tensor small = one_private_step<Gossip>(clip_only, 1e-4);
+  // (1e-7: the rounding of before - after in float32 for parameters of magnitude < 1.)
+  CHECK(torch::allclose(small, torch::full_like(small, 1e-4), 0, 1e-7));
+  // Zero gradients: the step is the noise itself, N(0, (sigma C)^2) per element.
+  PrivacyOptions noisy;
+  noisy.clip_norm = 2.0;
+  noisy.noise_multiplier = 0.5;
+  noisy.seed = 7;
+  const at::Tensor noise = one_private_step<Gossip>(noisy, 0.0);
+  const int64_t count = noise.numel();  // 4680
+  CHECK(std::abs(noise.mean().item<double>()) < 4 * 1.0 / std::sqrt(count));
+  CHECK(std::abs(noise.std().item<double>() - 1.0) < 0.05);
+  // The same seed draws the same noise; another seed other noise; every rank its own.
+  CHECK(torch::equal(one_private_step<Gossip>(noisy, 0.0), noise));
+  PrivacyOptions reseeded = noisy;
+  reseeded.seed = 8;
+  CHECK(!torch::equal(one_private_step<Gossip>(reseeded, 0.0), noise));
+  if (n > 1) {
+    at::Tensor all = torch::zeros({n, count});
+    all[rank].copy_(noise);
+    comm().allreduce(all, {}, ReduceOp::kSum)->wait();
+    for (int r = 0; r < n; ++r)
+      if (r != rank)
+        CHECK(!torch::equal(all[r], noise));
+  }
+  // Under all-reduce every rank noises its own gradient before the mean: sigma C / sqrt(n),
+  // the same result on every rank.
+  const at::Tensor mean = one_private_step<AllReduce>(noisy, 0.0);
+  CHECK(std::abs(mean.std().item<double>() * std::sqrt(n) - 1.0) < 0.05);
+  at::Tensor first = mean.clone();
+  comm().broadcast(first, 0)->wait();
+  CHECK(torch::equal(first, mean));
+  // Bad settings name the field.
+  PrivacyOptions bad;
+  bad.noise_multiplier = 1.0;
+  CHECK_THROWS_WITH(one_private_step<Gossip>(bad, 0.0),
+                    Catch::Contains("privacy.noise_multiplier 1 needs privacy.clip_norm > 0"));
+}
+
 TEST_CASE("a trimmed mean refuses topologies whose groups are too small", "[ddp][exchange]") {
   const int n = comm().size();
   if (n < 2 || n % 2 != 0)
