@@ -169,6 +169,7 @@ void DataParallelCore::before_forward() {
   }
   ready_->arm();
   ++steps_;
+  exchange_->metrics().count("steps");
 }
 
 void DataParallelCore::build_buckets() {
@@ -227,6 +228,7 @@ void DataParallelCore::on_bucket(size_t b) {
         }
       }
     }
+    Metrics::Scope timed(&exchange_->metrics(), "privacy");
     privacy::privatize(bucket, options_.privacy, control_->rank(), updates_ + 1, bucketed_numel_);
   }
   exchange_->on_bucket_ready(bucket, updates_ + 1, [this](Bucket& x) { take_update(x); });
@@ -234,6 +236,8 @@ void DataParallelCore::on_bucket(size_t b) {
 
 void DataParallelCore::take_update(Bucket& bucket) {
   at::NoGradGuard no_grad;
+  Metrics::Scope timed(&exchange_->metrics(), "optimizer");
+  exchange_->metrics().count("updates");
   update_bucket(bucket, *binding_, options_.grad_clip_norm);
   record_versions(bucket);
 }
@@ -247,6 +251,14 @@ void DataParallelCore::synchronize() {
 
 double DataParallelCore::exchange_wait_seconds() const {
   return exchange_->wait_seconds();
+}
+
+Metrics& DataParallelCore::metrics() {
+  return exchange_->metrics();
+}
+
+const Metrics& DataParallelCore::metrics() const {
+  return exchange_->metrics();
 }
 
 double DataParallelCore::get_lr() const {

@@ -24,6 +24,7 @@
 #include "decent_dp/communicator.h"
 #include "decent_dp/exchange_stage.h"
 #include "decent_dp/global_averager.h"
+#include "decent_dp/metrics.h"
 #include "decent_dp/model_sync.h"
 #include "decent_dp/optim/factories.h"
 #include "decent_dp/privacy.h"
@@ -164,6 +165,11 @@ class DataParallelCore : public torch::nn::Module {
   // for the previous exchange before an update, in all-reduce mode waiting for a gradient
   // reduction before the step, and in synchronize(). Exchanges that had finished cost nothing.
   double exchange_wait_seconds() const;
+  // This rank's counters and timers (Note [metrics] in decent_dp/metrics.h): steps, updates,
+  // exchanges and their bytes after encoding, time blocked on exchanges, encoding, decoding,
+  // aggregation, optimizer steps and the privacy mechanism. reset() on it starts afresh.
+  Metrics& metrics();
+  const Metrics& metrics() const;
 
  protected:
   // Called by forward() before the wrapped module's forward.

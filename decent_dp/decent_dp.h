@@ -6,6 +6,7 @@
 #include "decent_dp/decent_optim_wrapper.h"
 #include "decent_dp/decentralized_data_parallel.h"
 #include "decent_dp/distributed_data_parallel.h"
+#include "decent_dp/metrics.h"
 #include "decent_dp/mpi_communicator.h"
 #include "decent_dp/optim/adam.h"
 #include "decent_dp/optim/factories.h"

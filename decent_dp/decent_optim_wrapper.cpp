@@ -135,13 +135,30 @@ at::Tensor DecentOptimWrapper::step(LossClosure closure) {
   for (Bucket& b : buckets_) {
     gossip_->apply(b, u);  // exchange u - 1, on slot (u - 1) mod P
   }
-  inner_->step();
+  {
+    Metrics::Scope timed(&gossip_->metrics(), "optimizer");
+    inner_->step();
+  }
+  gossip_->metrics().count("steps");
+  gossip_->metrics().count("updates", buckets_.size());
   for (Bucket& b : buckets_) {
     record_versions(b);
     gossip_->launch(b, u);  // exchange u after update u, on slot u mod P (spec §2, §10)
   }
   ++steps_;
   return {};
+}
+
+Metrics& DecentOptimWrapper::metrics() {
+  return gossip_->metrics();
+}
+
+const Metrics& DecentOptimWrapper::metrics() const {
+  return gossip_->metrics();
+}
+
+double DecentOptimWrapper::exchange_wait_seconds() const {
+  return gossip_->wait_seconds();
 }
 
 void DecentOptimWrapper::zero_grad(bool set_to_none) {

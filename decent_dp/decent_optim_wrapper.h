@@ -23,6 +23,7 @@
 #include "decent_dp/checkpoint.h"
 #include "decent_dp/communicator.h"
 #include "decent_dp/global_averager.h"
+#include "decent_dp/metrics.h"
 #include "decent_dp/model_sync.h"
 #include "decent_dp/topology/topology.h"
 
@@ -67,6 +68,11 @@ class DecentOptimWrapper : public torch::optim::Optimizer {
   torch::optim::Optimizer& inner() { return *inner_; }
   const topology::Topology& topology() const { return *topology_; }
   size_t bucket_count() const { return buckets_.size(); }
+  // This rank's counters and timers (Note [metrics] in decent_dp/metrics.h); "optimizer"
+  // times the inner optimizer's step, "updates" counts buckets stepped.
+  Metrics& metrics();
+  const Metrics& metrics() const;
+  double exchange_wait_seconds() const;
 
  private:
   void sync_learning_rates();

@@ -34,9 +34,14 @@ void Exchange::timed_wait(Work& work) {
     work.synchronize();  // rethrows a stored error
     return;
   }
-  const auto t0 = std::chrono::steady_clock::now();
+  Metrics::Scope timed(&metrics_, "exchange.wait");
   work.synchronize();
-  wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Exchange::count_exchange(uint64_t bytes_each_way) {
+  metrics_.count("exchanges");
+  metrics_.count("exchange.bytes_sent", bytes_each_way);
+  metrics_.count("exchange.bytes_received", bytes_each_way);
 }
 
 void Exchange::wait(Bucket& bucket) {
@@ -102,6 +107,7 @@ void AllReduceExchange::launch(Bucket& bucket, int64_t update) {
                        {},
                        {},
                        detail::cat("bucket ", bucket.index, ", gradients of update ", update)});
+  count_exchange(allreduce_bytes(bucket.storage.grads.nbytes(), comm_->size()));
   awaiting_.push_back(&bucket);
 }
 
@@ -180,6 +186,7 @@ void GossipExchange::launch(Bucket& bucket, int64_t update) {
                        group.ranks,
                        {},
                        detail::cat("bucket ", bucket.index, ", exchange of update ", update)});
+  count_exchange(allreduce_bytes(bucket.storage.params.nbytes(), group.size()));
 }
 
 // Between steps the exchange of the last update is the only state in flight: the fast path
@@ -245,6 +252,7 @@ void GossipExchange::launch_gather(Bucket& bucket, const topology::Group& group,
       state.payload =
           comm_->allocate(np, at::TensorOptions().dtype(pdtype).device(bucket.spec.device));
     }
+    Metrics::Scope timed(&metrics(), "exchange.encode");
     stages_.codec->encode(
         bucket.storage.params, state.payload,
         CodecContext{bucket.index, update, comm_->rank(), topology_.slot_index(update)});
@@ -261,6 +269,7 @@ void GossipExchange::launch_gather(Bucket& bucket, const topology::Group& group,
       received, payload,
       AllgatherOptions{
           group.ranks, {}, detail::cat("bucket ", bucket.index, ", exchange of update ", update)});
+  count_exchange(static_cast<uint64_t>(k - 1) * payload.nbytes());
 }
 
 void GossipExchange::apply_gather(Bucket& bucket, int64_t /*update*/) {
@@ -282,6 +291,7 @@ void GossipExchange::apply_gather(Bucket& bucket, int64_t /*update*/) {
       decoded = at::empty({k, n}, x.options());
     }
     const at::Tensor payloads = received.view({k, -1});
+    Metrics::Scope timed(&metrics(), "exchange.decode");
     for (int64_t m = 0; m < k; ++m) {
       if (m == self) {
         decoded.select(0, m).copy_(x);  // this rank's own exact block
@@ -298,7 +308,10 @@ void GossipExchange::apply_gather(Bucket& bucket, int64_t /*update*/) {
   if (!state.mixed.defined()) {
     state.mixed = at::empty({n}, x.options());
   }
-  stages_.aggregator->aggregate(rows, self, group, state.mixed);
+  {
+    Metrics::Scope timed(&metrics(), "exchange.aggregate");
+    stages_.aggregator->aggregate(rows, self, group, state.mixed);
+  }
   if (adaptive_factor_ == 1.0) {
     x.copy_(state.mixed);
   } else if (adaptive_factor_ != 0.0) {

@@ -21,6 +21,7 @@
 #include "decent_dp/bucket_set.h"
 #include "decent_dp/communicator.h"
 #include "decent_dp/exchange_stage.h"
+#include "decent_dp/metrics.h"
 #include "decent_dp/topology/topology.h"
 
 namespace decent_dp {
@@ -51,13 +52,23 @@ class Exchange {
   // The gossip exchange's codec (null: none, or not a gossip exchange).
   virtual Codec* codec() const { return nullptr; }
   // Seconds spent blocked in waits on exchanges that had not finished.
-  double wait_seconds() const { return wait_seconds_; }
+  double wait_seconds() const { return metrics_.timer("exchange.wait").seconds; }
+  // The wrapper's registry (Note [metrics]); the exchange fills its exchange.* names.
+  Metrics& metrics() { return metrics_; }
+  const Metrics& metrics() const { return metrics_; }
 
  protected:
   void timed_wait(Work& work);
+  // One collective over `group_size` ranks that sends (and receives) `bytes_each_way`.
+  void count_exchange(uint64_t bytes_each_way);
+  static uint64_t allreduce_bytes(uint64_t bytes, int64_t group_size) {
+    return group_size > 1 ? 2 * static_cast<uint64_t>(group_size - 1) * bytes /
+                                static_cast<uint64_t>(group_size)
+                          : 0;
+  }
 
  private:
-  double wait_seconds_ = 0;
+  Metrics metrics_;
 };
 
 class AllReduceExchange final : public Exchange {

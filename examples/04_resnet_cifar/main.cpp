@@ -433,6 +433,8 @@ class Runner {
   virtual void end_average() = 0;
   virtual double consensus_distance() = 0;
   virtual double exchange_wait_seconds() const { return 0; }
+  // The wrapper's counters and timers (null: local training has none).
+  virtual const decent_dp::Metrics* metrics() const { return nullptr; }
   virtual void synchronize() {}
   // Collective checkpoint of the whole training state plus the trainer's own tensors.
   virtual void save(const std::string& dir, const decent_dp::NamedTensors& user) = 0;
@@ -451,6 +453,7 @@ class GossipRunner final : public Runner {
   void end_average() override { w_.revert_global_avg(); }
   double consensus_distance() override { return w_.consensus_distance(); }
   double exchange_wait_seconds() const override { return w_.exchange_wait_seconds(); }
+  const decent_dp::Metrics* metrics() const override { return &w_.metrics(); }
   void synchronize() override { w_.synchronize(); }
   void save(const std::string& dir, const decent_dp::NamedTensors& user) override {
     w_.save(dir, user);
@@ -479,6 +482,7 @@ class AllReduceRunner final : public Runner {
   void end_average() override { avg_.restore(); }
   double consensus_distance() override { return 0; }
   double exchange_wait_seconds() const override { return w_.exchange_wait_seconds(); }
+  const decent_dp::Metrics* metrics() const override { return &w_.metrics(); }
   void synchronize() override { w_.synchronize(); }
   void save(const std::string& dir, const decent_dp::NamedTensors& user) override {
     w_.save(dir, user);
@@ -743,6 +747,54 @@ void keep_consensus_until(const std::string& path, std::ofstream& out, int64_t l
   out << (kept.empty() ? std::string("step,consensus_distance\n") : kept) << std::flush;
 }
 
+// Numeric leaves of a JSON object as "a.b.c" -> value, in key order.
+void flatten(const nlohmann::json& j, const std::string& prefix,
+             std::vector<std::pair<std::string, double>>& out) {
+  for (const auto& [k, v] : j.items()) {
+    const std::string name = prefix.empty() ? k : prefix + "." + k;
+    if (v.is_object())
+      flatten(v, name, out);
+    else if (v.is_number())
+      out.emplace_back(name, v.get<double>());
+  }
+}
+
+// Writes <out>/<rank>.metrics.json on every rank and, on rank 0, <out>/metrics_summary.json:
+// every numeric value of the ranks' files with its sum, mean, minimum, maximum (and the rank
+// that holds it) over ranks. Collective.
+void write_rank_metrics(decent_dp::Communicator& comm, const std::string& out_dir,
+                        const nlohmann::json& mine) {
+  const int rank = comm.rank(), world = comm.size();
+  make_dirs(out_dir);
+  const std::string path = fmt::format("{}/{}.metrics.json", out_dir, rank);
+  std::ofstream(path) << mine.dump(2) << "\n";
+  std::vector<std::pair<std::string, double>> values;
+  flatten(mine, "", values);
+  const int64_t k = static_cast<int64_t>(values.size());
+  auto local = torch::empty({k}, torch::kDouble);
+  for (int64_t i = 0; i < k; ++i)
+    local[i] = values[static_cast<size_t>(i)].second;
+  auto all = torch::empty({world * k}, torch::kDouble);
+  // Every rank's file has the same names (the registry starts with all of them), so the
+  // same size; a rank with other names would be refused here, naming both.
+  comm.allgather(all, local, decent_dp::AllgatherOptions{{}, {}, "per-rank metrics"})->wait();
+  if (rank != 0)
+    return;
+  auto table = all.view({world, k});
+  nlohmann::json merged = nlohmann::json::object();
+  for (int64_t i = 0; i < k; ++i) {
+    auto column = table.select(1, i);
+    const auto [lo, lo_at] = column.min(0);
+    const auto [hi, hi_at] = column.max(0);
+    merged[values[static_cast<size_t>(i)].first] = {
+        {"sum", column.sum().item<double>()}, {"mean", column.mean().item<double>()},
+        {"min", lo.item<double>()},           {"min_rank", lo_at.item<int64_t>()},
+        {"max", hi.item<double>()},           {"max_rank", hi_at.item<int64_t>()}};
+  }
+  std::ofstream(out_dir + "/metrics_summary.json")
+      << nlohmann::json{{"world_size", world}, {"metrics", merged}}.dump(2) << "\n";
+}
+
 int run(const Config& cfg) {
   at::set_num_threads(cfg.threads);
   auto comm = decent_dp::default_communicator();
@@ -927,6 +979,10 @@ int run(const Config& cfg) {
   const auto start = Clock::now();
   uint64_t sent0 = mpi ? sent_bytes(mpi->stats()) : 0;
   uint64_t received0 = mpi ? received_bytes(mpi->stats()) : 0;
+  const decent_dp::MpiStats wire0 = mpi ? mpi->stats() : decent_dp::MpiStats{};
+  double data_wait_total = 0, eval_total = 0;
+  const double train_time_at_start = train_time;
+  int64_t trained_steps = 0;
   for (int epoch = first_epoch; epoch <= cfg.epochs; ++epoch) {
     ex::BatchLoader loader(train, sharder.indices(rank, epoch), cfg.batch, train_tf,
                            cfg.seed * 1000003 + static_cast<uint64_t>(rank) * 7919 + epoch);
@@ -981,6 +1037,9 @@ int run(const Config& cfg) {
     const uint64_t received = mpi ? received_bytes(mpi->stats()) : 0;
     const double epoch_s = std::chrono::duration<double>(Clock::now() - t0).count();
     train_time += epoch_s;
+    data_wait_total += loader.wait_seconds();
+    trained_steps += step;
+    const auto eval0 = Clock::now();
     if (tty)
       fmt::print("\n");
 
@@ -993,6 +1052,7 @@ int run(const Config& cfg) {
     runner->begin_average();
     auto [avg_c, avg_n] = evaluate(*runner, test, test_tf, rank, world, cfg.eval_batch);
     runner->end_average();
+    eval_total += std::chrono::duration<double>(Clock::now() - eval0).count();
     std::vector<double> sums = {loss_sum,
                                 correct,
                                 seen,
@@ -1053,6 +1113,30 @@ int run(const Config& cfg) {
   }
   if (rows.empty())
     throw std::invalid_argument("--resume: the checkpoint has no finished epoch to report");
+
+  // ---- per-rank metrics (this process's run: a resumed run counts from its resume) ----
+  {
+    const decent_dp::MpiStats wire = mpi ? mpi->stats() : decent_dp::MpiStats{};
+    const double session_train_s = train_time - train_time_at_start;
+    const double wait_s = runner->exchange_wait_seconds();
+    nlohmann::json mine = {
+        {"rank", rank},
+        {"world_size", world},
+        {"flipping_labels", std::binary_search(flipping.begin(), flipping.end(), rank)},
+        {"trainer",
+         {{"steps", trained_steps},
+          {"train_s", session_train_s},
+          {"data_wait_s", data_wait_total},
+          {"exchange_wait_s", wait_s},
+          {"compute_s", session_train_s - data_wait_total - wait_s},
+          {"evaluate_s", eval_total}}},
+        {"wire",
+         {{"bytes_sent", sent_bytes(wire) - sent_bytes(wire0)},
+          {"bytes_received", received_bytes(wire) - received_bytes(wire0)}}}};
+    if (const decent_dp::Metrics* m = runner->metrics())
+      mine["library"] = nlohmann::json::parse(m->to_json());
+    write_rank_metrics(*comm, out_dir, mine);
+  }
 
   // ---- summary ----
   if (rank == 0) {

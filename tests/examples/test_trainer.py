@@ -68,6 +68,23 @@ class Trainer(unittest.TestCase):
             summary = json.load(f)
         self.assertEqual(summary["world_size"], 2)
         self.assertEqual(summary["steps_per_epoch"], 1024 // 32)
+        # One metrics file per rank and rank 0's merge of them.
+        for r in (0, 1):
+            with open(os.path.join(out, f"{r}.metrics.json")) as f:
+                per_rank = json.load(f)
+            self.assertEqual(per_rank["rank"], r)
+            self.assertEqual(per_rank["trainer"]["steps"], 1024 // 32)
+            self.assertEqual("library" in per_rank, mode != "local", mode)
+        with open(os.path.join(out, "metrics_summary.json")) as f:
+            merged = json.load(f)["metrics"]
+        self.assertEqual(merged["trainer.steps"]["sum"], 2 * (1024 // 32))
+        if mode != "local":
+            # The library's count of the exchanges' bytes is the trainer's training traffic
+            # less the wrapper's one-time checks of the first step (a few hundred bytes).
+            counted = merged["library.counters.exchange.bytes_sent"]["mean"]
+            self.assertLessEqual(counted, row["bytes_sent_per_rank"])
+            self.assertGreater(counted, 0.99 * row["bytes_sent_per_rank"])
+            self.assertEqual(merged["library.counters.steps"]["min"], 1024 // 32)
         return row
 
     def test_every_mode(self):

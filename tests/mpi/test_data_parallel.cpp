@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "decent_dp/compensated_codec.h"
+#include "decent_dp/decent_optim_wrapper.h"
 #include "decent_dp/decentralized_data_parallel.h"
 #include "decent_dp/distributed_data_parallel.h"
 #include "decent_dp/env.h"
@@ -1083,4 +1084,112 @@ TEST_CASE("adamw() steps both groups of a ResNet bucket flat through the wrapper
   REQUIRE(adam != nullptr);
   CHECK(adam->param_groups().size() == 2);
   CHECK(adam->last_flat_groups() == 2);
+}
+
+namespace {
+
+uint64_t wire_sent(const MpiStats& s) {
+  return s.allreduce_bytes_sent + s.allgather_bytes_sent;
+}
+
+}  // namespace
+
+TEST_CASE("metrics: steps, updates, exchanges and their bytes as the communicator counts them",
+          "[ddp][metrics]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  auto factory = optim::adamw(adamw_lr(1e-2));
+  const std::string topo = n % 2 == 0 ? "ring" : "complete";
+  // Bucket blocks are padded to 64-byte multiples, so with n in {1, 2, 4, 8} an all-reduce's
+  // 2 (k - 1) / k of a block is a whole number of chunks and the count is exact.
+  const bool exact_allreduce = n == 1 || n == 2 || n == 4 || n == 8;
+  struct Case {
+    const char* name;
+    bool allreduce;
+    std::shared_ptr<Codec> codec;
+  };
+  for (const Case& c :
+       {Case{"gossip, all-reduce path", false, nullptr},
+        Case{"gossip, 8-bit quantized gather path", false, std::make_shared<QuantizeCodec>(8, 64)},
+        Case{"all-reduce of gradients", true, nullptr}}) {
+    INFO("rank " << rank << " case " << c.name);
+    auto net = make_mlp();
+    auto o = small_buckets(topo, 1);
+    o.codec = c.codec;
+    std::unique_ptr<WrappedModule<torch::nn::Sequential>> model;
+    if (c.allreduce)
+      model = std::make_unique<DistributedDataParallel<torch::nn::Sequential>>(
+          net, o, factory, nullptr, shared_comm());
+    else
+      model = std::make_unique<DecentralizedDataParallel<torch::nn::Sequential>>(
+          net, o, factory, nullptr, shared_comm());
+    auto& wrapper = *model;
+    auto forward_steps = [&](int first, int steps) {
+      for (int step = first; step < first + steps; ++step) {
+        auto b = batch_for(false, rank, step);
+        torch::mse_loss(wrapper.forward(b.x), b.y).backward();
+      }
+      wrapper.synchronize();
+    };
+    // The first step also runs the wrapper's one-time checks: measure from the second on.
+    forward_steps(0, 1);
+    const Metrics& m = wrapper.metrics();
+    CHECK(m.counter("steps") == 1);
+    wrapper.metrics().reset();
+    CHECK(m.counter("updates") == 0);
+    const auto before = comm().stats();
+    forward_steps(1, 6);
+    const auto after = comm().stats();
+    const uint64_t buckets = wrapper.bucket_count();
+    REQUIRE(buckets > 1);
+    CHECK(m.counter("steps") == 6);
+    CHECK(m.counter("updates") == 6 * buckets);
+    CHECK(m.timer("optimizer").count == 6 * buckets);
+    // Gossip skips the exchange on one rank; the gradient all-reduce runs (moving nothing).
+    CHECK(m.counter("exchanges") == (n > 1 || c.allreduce ? 6 * buckets : 0));
+    const uint64_t wire = wire_sent(after) - wire_sent(before);
+    if (c.codec || exact_allreduce) {
+      CHECK(m.counter("exchange.bytes_sent") == wire);
+    } else {
+      CHECK(std::abs(static_cast<double>(m.counter("exchange.bytes_sent")) - wire) <= 0.01 * wire);
+    }
+    CHECK(m.counter("exchange.bytes_received") == m.counter("exchange.bytes_sent"));
+    if (c.codec && n > 1) {
+      // Every exchange encodes once; every applied one decodes and aggregates once (the
+      // step-1 exchange is applied in this window, the step-7 one is still pending).
+      CHECK(m.timer("exchange.encode").count == 6 * buckets);
+      CHECK(m.timer("exchange.decode").count == 6 * buckets);
+      CHECK(m.timer("exchange.aggregate").count == 6 * buckets);
+      CHECK(m.timer("exchange.encode").seconds > 0);
+    } else {
+      CHECK(m.timer("exchange.encode").count == 0);
+      CHECK(m.timer("exchange.aggregate").count == 0);
+    }
+    CHECK(m.timer("exchange.wait").seconds == wrapper.exchange_wait_seconds());
+    CHECK(m.timer("privacy").count == 0);
+    const std::string json = m.to_json();
+    CHECK_THAT(json, Catch::Contains("\"exchange.bytes_sent\":"));
+    CHECK_THAT(json, Catch::Contains("\"exchange.wait\":{\"count\":"));
+  }
+}
+
+TEST_CASE("metrics: DecentOptimWrapper counts its steps, updates and exchange bytes", "[metrics]") {
+  const int n = comm().size();
+  const std::string topo = n % 2 == 0 ? "ring" : "complete";
+  auto net = make_mlp();
+  auto inner =
+      std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1));
+  DecentOptimWrapper opt(inner, comm().rank(), n, 1, topo, 512.0 / (1 << 20), shared_comm());
+  for (int step = 0; step < 4; ++step) {
+    auto b = batch_for(false, comm().rank(), step);
+    opt.zero_grad();
+    torch::mse_loss(net->forward(b.x), b.y).backward();
+    opt.step();
+  }
+  const Metrics& m = opt.metrics();
+  CHECK(m.counter("steps") == 4);
+  CHECK(m.counter("updates") == 4 * opt.bucket_count());
+  CHECK(m.timer("optimizer").count == 4);
+  CHECK(m.counter("exchanges") == (n > 1 ? 4 * opt.bucket_count() : 0));
+  CHECK((m.counter("exchange.bytes_sent") > 0) == (n > 1));
 }
