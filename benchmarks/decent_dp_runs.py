@@ -136,7 +136,50 @@ def load_sweep(path):
             raise SystemExit(f"error: {path}: grid entry '{key}' must be a non-empty list")
     if "ranks" not in spec["grid"] and "ranks" not in spec["base"]:
         raise SystemExit(f"error: {path}: give 'ranks' (world sizes) in 'grid' or 'base'")
+    spec["_dir"] = os.path.dirname(os.path.abspath(path))
+    for c in spec["grid"].get("config", []):
+        config_path(spec, c)  # every trainer config file exists and holds settings
     return spec
+
+
+def is_trainer_config(path):
+    """Whether `path` is a trainer configuration (one flat JSON object of settings, as
+    resnet_cifar --config reads) rather than a sweep file."""
+    with open(path) as f:
+        try:
+            j = json.load(f)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"error: {path} is not valid JSON: {e}")
+    return isinstance(j, dict) and "grid" not in j
+
+
+def configs_sweep(paths, ranks, name, overrides):
+    """A sweep of trainer configuration files: one point per file at each world size, the
+    file's settings, then `overrides` (setting -> value) on top."""
+    spec = {"name": name, "base": {}, "override": dict(overrides),
+            "grid": {"ranks": list(ranks), "config": [os.path.abspath(p) for p in paths]},
+            "_dir": os.getcwd()}
+    for c in spec["grid"]["config"]:
+        config_path(spec, c)
+    return spec
+
+
+def config_path(spec, c):
+    """A "config" grid value: a trainer configuration file, relative to the sweep file's folder
+    or the project root."""
+    for candidate in (c, os.path.join(spec.get("_dir", ""), c), os.path.join(ROOT, c)):
+        if os.path.isfile(candidate):
+            with open(candidate) as f:
+                try:
+                    settings = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"error: {candidate} is not valid JSON: {e}")
+            if not isinstance(settings, dict) or "grid" in settings:
+                raise SystemExit(f"error: {candidate}: a 'config' value must name a trainer "
+                                 f"configuration (one object of settings), not a sweep")
+            return candidate, settings
+    raise SystemExit(f"error: 'config' {c}: no such file (relative to the sweep file or the "
+                     f"project root)")
 
 
 def points(spec):
@@ -146,7 +189,11 @@ def points(spec):
     out = []
     for values in itertools.product(*(grid[k] for k in keys)):
         p = dict(spec["base"])
-        p.update(zip(keys, values))
+        chosen = dict(zip(keys, values))
+        if "config" in chosen:  # base < the configuration file < the other grid values
+            p.update(config_path(spec, chosen.pop("config"))[1])
+        p.update(chosen)
+        p.update(spec.get("override", {}))
         ranks = int(p.pop("ranks"))
         case = p.pop("case", None)
         if case is not None:
@@ -159,6 +206,9 @@ def points(spec):
                 "decentralized" else p["mode"]
         parts = []
         for k, v in zip(keys, values):
+            if k == "config":
+                parts.append(os.path.splitext(os.path.basename(v))[0])
+                continue
             parts.append(f"n{v}" if k == "ranks" else (str(v) if k in ("case", "model", "dataset",
                                                                           "optimizer") else
                                                         f"{k}{v}"))
@@ -172,7 +222,7 @@ def run_sweep(spec, results_dir, trainer, data_dir=None, echo=True, only=None):
     sweep_dir = os.path.join(results_dir, spec["name"])
     os.makedirs(sweep_dir, exist_ok=True)
     with open(os.path.join(sweep_dir, "sweep.json"), "w") as f:
-        json.dump(spec, f, indent=2)
+        json.dump({k: v for k, v in spec.items() if not k.startswith("_")}, f, indent=2)
     failed = []
     pts = points(spec)
     for i, (name, ranks, case, settings) in enumerate(pts, 1):
@@ -239,9 +289,14 @@ def read_sweep(sweep_dir):
 
 # ---- tables and plots ----
 
+def _epsilon(s):
+    e = s.get("epsilon")
+    return "-" if e is None else (e if isinstance(e, str) else f"{e:.3g}")
+
+
 def table(runs):
     head = (f"{'run':<24} {'ranks':>5} {'final acc':>9} {'best acc':>9} {'ms/step':>8} "
-            f"{'MB/step':>8} {'consensus':>10} {'data wait':>9}")
+            f"{'MB/step':>8} {'consensus':>10} {'data wait':>9} {'epsilon':>8}")
     lines = [head, "-" * len(head)]
     for r in runs:
         s = r["summary"]
@@ -249,7 +304,7 @@ def table(runs):
                      f"{100 * s['best_test_acc']:>8.2f}% {s['step_ms']:>8.1f} "
                      f"{s['bytes_sent_per_step'] / 1e6:>8.3f} "
                      f"{s['final_consensus_distance']:>10.2e} "
-                     f"{100 * s['data_wait_frac']:>8.2f}%")
+                     f"{100 * s['data_wait_frac']:>8.2f}% {_epsilon(s):>8}")
     return "\n".join(lines)
 
 
