@@ -18,6 +18,14 @@ std::shared_ptr<Work> Communicator::allgather(const at::Tensor& /*output*/,
                                     " backend does not implement all-gather"));
 }
 
+std::shared_ptr<Work> Communicator::allgather_varying(const at::Tensor& /*output*/,
+                                                      const at::Tensor& /*input*/,
+                                                      const at::Tensor& /*lengths*/,
+                                                      const AllgatherOptions& /*options*/) {
+  throw InvalidArgument(detail::cat("allgather_varying: the ", to_string(backend()),
+                                    " backend does not implement the varying all-gather"));
+}
+
 const char* to_string(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:

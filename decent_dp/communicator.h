@@ -86,6 +86,16 @@ class Communicator {
   std::shared_ptr<Work> allgather(const at::Tensor& output, const at::Tensor& input) {
     return allgather(output, input, AllgatherOptions{});
   }
+  // Note [varying all-gather]
+  // An all-gather whose members' inputs differ in length (compressed payloads): `output`
+  // holds k blocks of capacity c = output.numel() / k, the same on every member; each
+  // member's input has at most c elements. The lengths travel in the operation header
+  // (Note [operation header]), so only each input's own bytes cross the wire. Member m's
+  // input lands at elements [m c, m c + len_m) and len_m in lengths[m] (an int64 tensor of k
+  // elements), both set once the Work completes.
+  virtual std::shared_ptr<Work> allgather_varying(const at::Tensor& output, const at::Tensor& input,
+                                                  const at::Tensor& lengths,
+                                                  const AllgatherOptions& options);
   // Blocks until every rank has entered the barrier (honours the default timeout).
   virtual void barrier() = 0;
 

@@ -823,59 +823,100 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int r
 
 std::shared_ptr<Work> MpiCommunicator::allgather(const at::Tensor& output, const at::Tensor& input,
                                                  const AllgatherOptions& options) {
+  return gather(output, input, at::Tensor(), options);
+}
+
+std::shared_ptr<Work> MpiCommunicator::allgather_varying(const at::Tensor& output,
+                                                         const at::Tensor& input,
+                                                         const at::Tensor& lengths,
+                                                         const AllgatherOptions& options) {
+  DECENT_DP_CHECK_ARG(lengths.defined(), "allgather_varying: lengths must be a tensor");
+  return gather(output, input, lengths, options);
+}
+
+std::shared_ptr<Work> MpiCommunicator::gather(const at::Tensor& output, const at::Tensor& input,
+                                              const at::Tensor& lengths,
+                                              const AllgatherOptions& options) {
   Impl& d = *impl_;
+  const bool varying = lengths.defined();
+  const char* who = varying ? "allgather_varying" : "allgather";
   const std::vector<int>& ranks = options.ranks.empty() ? d.world_ranks : options.ranks;
-  check_cpu_tensor(input, "allgather", "input");
-  check_cpu_tensor(output, "allgather", "output");
-  DECENT_DP_CHECK_ARG(output.scalar_type() == input.scalar_type(),
-                      "allgather: output dtype must equal input dtype ", dtype_name(input),
-                      ", got ", dtype_name(output));
-  Impl::GroupComm* group = d.checked_group(ranks, "allgather");
+  check_cpu_tensor(input, who, "input");
+  check_cpu_tensor(output, who, "output");
+  DECENT_DP_CHECK_ARG(output.scalar_type() == input.scalar_type(), who,
+                      ": output dtype must equal input dtype ", dtype_name(input), ", got ",
+                      dtype_name(output));
+  Impl::GroupComm* group = d.checked_group(ranks, who);
   const int64_t k = static_cast<int64_t>(ranks.size());
-  DECENT_DP_CHECK_ARG(output.numel() == input.numel() * k, "allgather: output must hold ",
-                      options.ranks.empty() ? "world size" : "group size", " * input.numel() = ", k,
-                      " * ", input.numel(), " = ", input.numel() * k, " elements, got ",
-                      output.numel());
-  auto work = d.make_work(cat("allgather(", input.numel(), " x ", dtype_name(input), ") on group ",
-                              ranks_to_string(ranks), " (rank ", d.rank,
-                              options.label.empty() ? "" : ", ", options.label, ")"),
-                          {output, input}, options.timeout);
+  int64_t capacity = input.numel();
+  if (varying) {
+    check_cpu_tensor(lengths, who, "lengths");
+    DECENT_DP_CHECK_ARG(lengths.scalar_type() == at::kLong && lengths.numel() == k, who,
+                        ": lengths must be an int64 tensor of ", k, " elements (the group), got ",
+                        lengths.numel(), " x ", dtype_name(lengths));
+    DECENT_DP_CHECK_ARG(output.numel() % k == 0, who, ": output must hold ", k,
+                        " blocks of equal capacity, got ", output.numel(), " elements");
+    capacity = output.numel() / k;
+    DECENT_DP_CHECK_ARG(input.numel() <= capacity, who, ": input has ", input.numel(),
+                        " elements, more than the capacity of ", capacity, " per member");
+  } else {
+    DECENT_DP_CHECK_ARG(output.numel() == input.numel() * k, "allgather: output must hold ",
+                        options.ranks.empty() ? "world size" : "group size",
+                        " * input.numel() = ", k, " * ", input.numel(), " = ", input.numel() * k,
+                        " elements, got ", output.numel());
+  }
+  const std::string what =
+      cat(who, "(", varying ? "capacity " : "", capacity, " x ", dtype_name(input),
+          options.label.empty() ? "" : ", ", options.label, ")");
+  auto work = d.make_work(cat(what, " on group ", ranks_to_string(ranks), " (rank ", d.rank, ")"),
+                          {output, input, lengths.defined() ? lengths : input}, options.timeout);
   const char* in = static_cast<const char*>(input.data_ptr());
   char* out = static_cast<char*>(output.data_ptr());
-  const auto bytes = static_cast<size_t>(input.nbytes());
+  const size_t elem = static_cast<size_t>(input.element_size());
+  const auto bytes = static_cast<size_t>(capacity) * elem;
+  const auto input_bytes = static_cast<size_t>(input.nbytes());
+  int64_t* lens = varying ? lengths.data_ptr<int64_t>() : nullptr;
   if (k == 1) {
-    if (out != in && bytes > 0) {
-      std::memmove(out, in, bytes);
+    if (out != in && input_bytes > 0) {
+      std::memmove(out, in, input_bytes);
+    }
+    if (lens != nullptr) {
+      lens[0] = input.numel();
     }
     work->finish();
     return work;
   }
   const bool try_shared = d.shared_memory && d.same_node(ranks) &&
                           static_cast<int64_t>(bytes) >= d.shared_memory_min_bytes;
-  const detail::OpHeader header = detail::make_op_header(
-      detail::OpKind::kAllgather, -1, input.numel(), input.scalar_type(), -1, options.label,
-      cat("allgather(", input.numel(), " x ", dtype_name(input), options.label.empty() ? "" : ", ",
-          options.label, ")"));
+  const detail::OpHeader header =
+      detail::make_op_header(detail::OpKind::kAllgather, varying ? 1 : -1, capacity,
+                             input.scalar_type(), -1, options.label, what);
   auto op = std::make_shared<std::unique_ptr<detail::GroupAllgather>>();
   detail::PeerSegmentCache* peers = &d.peers;
   Impl* impl = &d;
   MpiWork* started = work.get();
   d.watch(*work, group);
-  return d.submit(work, [op, impl, peers, group, in, out, bytes, try_shared, started, header] {
+  return d.submit(work, [op, impl, peers, group, in, out, bytes, input_bytes, elem, lens,
+                         try_shared, started, header] {
     auto& gather = *op;
     if (!gather) {
       const int64_t sequence = group->sequence;
       started->set_sequence(sequence);
       const int tag = static_cast<int>(group->sequence++ % 32768u);
-      gather = std::make_unique<detail::GroupAllgather>(in, out, bytes, group->comm, group->index,
-                                                        group->size, tag, try_shared, *peers,
-                                                        header, group->ranks, sequence);
+      gather = std::make_unique<detail::GroupAllgather>(
+          in, out, bytes, group->comm, group->index, group->size, tag, try_shared, *peers, header,
+          group->ranks, sequence, lens, input_bytes);
     }
     std::vector<MPI_Request> requests = gather->next();
     if (requests.empty()) {
       (gather->used_shared_memory() ? impl->shared_allgathers : impl->p2p_allgathers).fetch_add(1);
       impl->allgather_bytes_sent.fetch_add(static_cast<uint64_t>(gather->bytes_sent()));
       impl->allgather_bytes_received.fetch_add(static_cast<uint64_t>(gather->bytes_received()));
+      if (lens != nullptr) {
+        for (int m = 0; m < group->size; ++m) {
+          lens[m] /= static_cast<int64_t>(elem);  // bytes -> elements
+        }
+      }
       gather.reset();
     }
     return requests;

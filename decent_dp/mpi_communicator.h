@@ -76,6 +76,9 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<Work> broadcast(const at::Tensor& tensor, int root) override;
   std::shared_ptr<Work> allgather(const at::Tensor& output, const at::Tensor& input,
                                   const AllgatherOptions& options) override;
+  std::shared_ptr<Work> allgather_varying(const at::Tensor& output, const at::Tensor& input,
+                                          const at::Tensor& lengths,
+                                          const AllgatherOptions& options) override;
   void barrier() override;
   at::Tensor allocate(int64_t numel, const at::TensorOptions& options) override;
   // Counts of completed all-reduces by transport.
@@ -87,6 +90,9 @@ class MpiCommunicator final : public Communicator {
   struct Impl;
 
  private:
+  // The equal-size all-gather, and with `lengths` defined the varying one.
+  std::shared_ptr<Work> gather(const at::Tensor& output, const at::Tensor& input,
+                               const at::Tensor& lengths, const AllgatherOptions& options);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -39,6 +39,11 @@ class PeerSegmentCache;
 std::vector<MPI_Request> post_member_exchange(const void* send, void* recv_base, size_t recv_stride,
                                               size_t bytes, MPI_Comm comm, int index, int size,
                                               int tag);
+// The same with `send_bytes` sent to every member and recv_bytes[m] received from member m.
+std::vector<MPI_Request> post_member_exchange_v(const void* send, size_t send_bytes,
+                                                void* recv_base, size_t recv_stride,
+                                                const std::vector<size_t>& recv_bytes,
+                                                MPI_Comm comm, int index, int size, int tag);
 
 class GroupAllgather {
  public:
@@ -46,16 +51,22 @@ class GroupAllgather {
   // block is copied there too; `input` may already be that block). The header stage (Note
   // [operation header]) comes first and carries the shared-memory descriptor; `ranks` and
   // `sequence` are for its errors.
+  //
+  // Varying (`lengths` not null, Note [varying all-gather]): `bytes` is the capacity of
+  // every member's block in `output` and `input_bytes` (<= bytes) this member's length; the
+  // lengths travel in the headers, member m's input lands at [m * bytes, m * bytes + len_m)
+  // and len_m in (*lengths)[m].
   GroupAllgather(const char* input, char* output, size_t bytes, MPI_Comm comm, int index, int size,
                  int tag, bool try_shared, PeerSegmentCache& peers, const OpHeader& header,
-                 const std::vector<int>& ranks, int64_t sequence);
+                 const std::vector<int>& ranks, int64_t sequence, int64_t* lengths = nullptr,
+                 size_t input_bytes = 0);
   ~GroupAllgather();
 
   // As RingAllreduce::next().
   std::vector<MPI_Request> next();
   bool used_shared_memory() const { return shared_; }
-  int64_t bytes_sent() const { return static_cast<int64_t>(bytes_) * (size_ - 1); }
-  int64_t bytes_received() const { return bytes_sent(); }
+  int64_t bytes_sent() const { return static_cast<int64_t>(input_bytes_) * (size_ - 1); }
+  int64_t bytes_received() const { return received_; }
 
  private:
   std::vector<MPI_Request> point_to_point();
@@ -63,6 +74,10 @@ class GroupAllgather {
   const char* input_;
   char* output_;
   size_t bytes_;
+  size_t input_bytes_;
+  int64_t* lengths_;
+  int64_t received_ = 0;
+  std::vector<size_t> recv_bytes_;
   MPI_Comm comm_;
   int index_;
   int size_;

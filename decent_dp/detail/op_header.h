@@ -44,6 +44,9 @@ struct OpHeader {
   uint64_t output_offset = 0;
   int32_t shared = 0;
   int32_t reserved = 0;
+  // A varying all-gather's bytes of this member's input (numel is then the capacity every
+  // member agrees on); -1 otherwise. Not compared.
+  int64_t length = -1;
 };
 
 // The header of an operation; `summary` is truncated to fit.

@@ -692,6 +692,69 @@ TEST_CASE("group all-gather: many in flight on overlapping groups, and bad input
   }
 }
 
+TEST_CASE("varying all-gather: each member's own length, both transports, every slot",
+          "[mpi][allgather]") {
+  // Note [varying all-gather]: member r sends len(r) = (37 r + 5 s) mod (capacity + 1)
+  // elements; every member gets each block at its slot of the output and each length.
+  for (int shared : {1, 0}) {
+    MpiCommunicator c(shm_options(shared, 0));
+    const int n = c.size();
+    const int64_t capacity = 1031;
+    auto len_of = [&](int r, int s) { return (37 * r + 5 * s) % (capacity + 1); };
+    for (const auto& topo : topologies_for(n)) {
+      c.make_groups(topo->distinct_groups());
+      for (int s = 0; s < topo->period(); ++s) {
+        const auto& group = topo->group_of(c.rank(), s);
+        const int64_t k = group.size();
+        for (bool shared_input : {true, false}) {
+          INFO("rank " << c.rank() << " shm " << shared << " topology " << topo->name() << " slot "
+                       << s << " shared input " << shared_input);
+          const auto full = gather_input(c, capacity, at::kByte, shared_input);
+          const auto in = full.narrow(0, 0, len_of(c.rank(), s));
+          auto out = at::full({k * capacity}, 255, at::kByte);
+          auto lengths = at::full({k}, -1, at::kLong);
+          const auto before = c.stats();
+          c.allgather_varying(out, in, lengths, AllgatherOptions{group.ranks, {}})->wait();
+          int64_t received = 0, wrong = 0;
+          for (int64_t m = 0; m < k; ++m) {
+            const int r = group.ranks[static_cast<size_t>(m)];
+            const int64_t len = len_of(r, s);
+            CHECK(lengths[m].item<int64_t>() == len);
+            // What gather_input() makes on rank r.
+            const auto expected = at::arange(capacity, at::kDouble)
+                                      .remainder(97)
+                                      .add(r * 100)
+                                      .to(at::kByte)
+                                      .narrow(0, 0, len);
+            wrong += out.narrow(0, m * capacity, len).ne(expected).sum().item<int64_t>();
+            if (r != c.rank())
+              received += len;
+          }
+          CHECK(wrong == 0);
+          const auto now = c.stats();
+          CHECK(static_cast<int64_t>(now.allgather_bytes_sent - before.allgather_bytes_sent) ==
+                (k - 1) * in.numel());
+          CHECK(static_cast<int64_t>(now.allgather_bytes_received -
+                                     before.allgather_bytes_received) == received);
+        }
+      }
+    }
+  }
+  auto& c = comm();
+  std::vector<int> me{c.rank()};
+  auto lengths = at::zeros({1}, at::kLong);
+  CHECK_THROWS_WITH(
+      c.allgather_varying(at::zeros({4}), at::zeros({5}), lengths, AllgatherOptions{me, {}}),
+      Catch::Contains("input has 5 elements, more than the capacity of 4 per member"));
+  CHECK_THROWS_WITH(c.allgather_varying(at::zeros({4}), at::zeros({2}), at::zeros({2}, at::kLong),
+                                        AllgatherOptions{me, {}}),
+                    Catch::Contains("lengths must be an int64 tensor of 1 elements"));
+  auto out = at::zeros({4});
+  c.allgather_varying(out, at::full({3}, 1.0), lengths, AllgatherOptions{me, {}})->wait();
+  CHECK(lengths[0].item<int64_t>() == 3);
+  CHECK(out.narrow(0, 0, 3).eq(1).all().item<bool>());
+}
+
 TEST_CASE("a step that throws after posting messages leaves none of them live", "[mpi][engine]") {
   // Note [abandoned requests]: rank 0 runs an operation whose step posts a receive and a
   // large send, then throws. The receive must be cancelled (a later message with its tag
