@@ -21,6 +21,9 @@ std::string key_name(size_t bucket, int slot, int rank) {
 ErrorCompensatedCodec::ErrorCompensatedCodec(std::shared_ptr<Codec> inner)
     : inner_(std::move(inner)) {
   DECENT_DP_CHECK_ARG(inner_ != nullptr, "ErrorCompensatedCodec: inner must be a codec, got null");
+  DECENT_DP_CHECK_ARG(!inner_->varying_size(), "ErrorCompensatedCodec: inner must be a lossy ",
+                      "fixed-size codec (quantize), got the lossless ", inner_->name(),
+                      ", which leaves no error to compensate");
 }
 
 std::string ErrorCompensatedCodec::name() const {

@@ -14,4 +14,5 @@
 #include "decent_dp/optim/sgd.h"
 #include "decent_dp/privacy.h"
 #include "decent_dp/quantize_codec.h"
+#include "decent_dp/stream_codec.h"
 #include "decent_dp/topology/topology.h"

@@ -19,6 +19,8 @@ struct GatherState final : ExchangeState {
   at::Tensor payload;                      // the encoded block (codec only)
   std::map<int64_t, at::Tensor> received;  // k * payload elements
   std::map<int64_t, at::Tensor> decoded;   // k x n (codec only)
+  std::map<int64_t, at::Tensor> lengths;   // k int64: elements each member sent (varying)
+  bool count_received = false;             // varying: count what arrived when applied
   at::Tensor mixed;                        // n
   int64_t launched_update = 0;
 };
@@ -158,6 +160,7 @@ void GossipExchange::apply(Bucket& bucket, int64_t update) {
     return;
   }
   timed_wait(*bucket.work);
+  count_arrivals(bucket);
   if (stages_.gathers()) {
     apply_gather(bucket, update);
   } else {
@@ -165,6 +168,13 @@ void GossipExchange::apply(Bucket& bucket, int64_t update) {
     mix_group_mean(bucket.storage, bucket.optimizer_params, *bucket.group, adaptive_factor_);
   }
   bucket.work.reset();
+}
+
+void GossipExchange::wait(Bucket& bucket) {
+  Exchange::wait(bucket);
+  if (bucket.work) {
+    count_arrivals(bucket);
+  }
 }
 
 void GossipExchange::launch(Bucket& bucket, int64_t update) {
@@ -196,6 +206,7 @@ std::vector<at::Tensor> GossipExchange::pending(Bucket& bucket) {
     return {};
   }
   timed_wait(*bucket.work);
+  count_arrivals(bucket);
   if (stages_.gathers()) {
     auto& state = static_cast<GatherState&>(*bucket.exchange_state);
     return {state.received.at(bucket.group->size())};
@@ -219,6 +230,7 @@ void GossipExchange::restore_pending(Bucket& bucket, int64_t update,
       received = comm_->allocate(saved[0].numel(), saved[0].options().device(bucket.spec.device));
     }
     state.launched_update = update;
+    state.count_received = false;  // what arrived was counted by the run that saved it
     target = received;
   } else {
     target = bucket.storage.comm;
@@ -245,6 +257,7 @@ void GossipExchange::launch_gather(Bucket& bucket, const topology::Group& group,
   const int64_t n = bucket.spec.numel;
   const auto dtype = bucket.spec.dtype;
   at::Tensor payload = bucket.storage.params;
+  int64_t used = 0;
   if (stages_.codec) {
     const int64_t np = stages_.codec->payload_numel(n, dtype);
     const auto pdtype = stages_.codec->payload_dtype(dtype);
@@ -253,7 +266,7 @@ void GossipExchange::launch_gather(Bucket& bucket, const topology::Group& group,
           comm_->allocate(np, at::TensorOptions().dtype(pdtype).device(bucket.spec.device));
     }
     Metrics::Scope timed(&metrics(), "exchange.encode");
-    stages_.codec->encode(
+    used = stages_.codec->encode_prefix(
         bucket.storage.params, state.payload,
         CodecContext{bucket.index, update, comm_->rank(), topology_.slot_index(update)});
     payload = state.payload;
@@ -265,11 +278,45 @@ void GossipExchange::launch_gather(Bucket& bucket, const topology::Group& group,
         at::TensorOptions().dtype(payload.scalar_type()).device(bucket.spec.device));
   }
   state.launched_update = update;
-  bucket.work = comm_->allgather(
-      received, payload,
-      AllgatherOptions{
-          group.ranks, {}, detail::cat("bucket ", bucket.index, ", exchange of update ", update)});
+  AllgatherOptions options{
+      group.ranks, {}, detail::cat("bucket ", bucket.index, ", exchange of update ", update)};
+  if (stages_.codec && stages_.codec->varying_size()) {
+    // Only the prefix the codec used crosses the wire (Note [varying all-gather]).
+    at::Tensor& lengths = state.lengths[k];
+    if (!lengths.defined()) {
+      lengths = at::empty({k}, at::TensorOptions().dtype(at::kLong));
+    }
+    const at::Tensor sent = payload.narrow(0, 0, used);
+    bucket.work = comm_->allgather_varying(received, sent, lengths, options);
+    state.count_received = true;
+    metrics().count("exchanges");
+    metrics().count("exchange.bytes_sent", static_cast<uint64_t>(k - 1) * sent.nbytes());
+    return;
+  }
+  state.count_received = false;
+  bucket.work = comm_->allgather(received, payload, options);
   count_exchange(static_cast<uint64_t>(k - 1) * payload.nbytes());
+}
+
+void GossipExchange::count_arrivals(Bucket& bucket) {
+  if (!bucket.exchange_state) {
+    return;
+  }
+  auto& state = static_cast<GatherState&>(*bucket.exchange_state);
+  if (!state.count_received) {
+    return;
+  }
+  state.count_received = false;
+  const int64_t k = bucket.group->size();
+  const int64_t* len = state.lengths.at(k).data_ptr<int64_t>();
+  const int rank = comm_->rank();
+  uint64_t got = 0;
+  for (int64_t m = 0; m < k; ++m) {
+    if (bucket.group->ranks[m] != rank) {
+      got += static_cast<uint64_t>(len[m]) * state.received.at(k).element_size();
+    }
+  }
+  metrics().count("exchange.bytes_received", got);
 }
 
 void GossipExchange::apply_gather(Bucket& bucket, int64_t /*update*/) {

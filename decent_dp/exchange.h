@@ -38,7 +38,7 @@ class Exchange {
   virtual void launch(Bucket& bucket, int64_t update) = 0;
 
   // Waits for the bucket's exchange in flight; its result is applied by the next update.
-  void wait(Bucket& bucket);
+  virtual void wait(Bucket& bucket);
   // Waits for every bucket's exchange in flight, within one shared deadline of `timeout`;
   // logs instead of throwing (for destructors).
   static void drain(BucketSet& buckets, std::chrono::milliseconds timeout) noexcept;
@@ -91,6 +91,7 @@ class GossipExchange final : public Exchange {
   void on_bucket_ready(Bucket& bucket, int64_t update, const UpdateFn& take_update) override;
   void apply(Bucket& bucket, int64_t update) override;
   void launch(Bucket& bucket, int64_t update) override;
+  void wait(Bucket& bucket) override;
   std::vector<at::Tensor> pending(Bucket& bucket) override;
   void restore_pending(Bucket& bucket, int64_t update,
                        const std::vector<at::Tensor>& saved) override;
@@ -103,6 +104,8 @@ class GossipExchange final : public Exchange {
  private:
   void launch_gather(Bucket& bucket, const topology::Group& group, int64_t update);
   void apply_gather(Bucket& bucket, int64_t update);
+  // After a varying all-gather completes: counts the bytes the other members sent.
+  void count_arrivals(Bucket& bucket);
 
   std::shared_ptr<Communicator> comm_;
   const topology::Topology& topology_;

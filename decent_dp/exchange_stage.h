@@ -48,6 +48,16 @@ class Codec {
   // Writes the block that `payload` (sent by ctx.rank) stands for into `out` (like x).
   virtual void decode(const at::Tensor& payload, const at::Tensor& out,
                       const CodecContext& ctx) = 0;
+  // Lossless stream codecs (ZstdCodec, FpzipCodec) use a prefix of the payload whose length
+  // depends on the data: payload_numel() is then their capacity, encode_prefix() returns
+  // the elements used, and the exchange sends only those (Note [varying all-gather]);
+  // decode() gets the prefix. Fixed-size codecs use the whole payload.
+  virtual bool varying_size() const { return false; }
+  virtual int64_t encode_prefix(const at::Tensor& x, const at::Tensor& payload,
+                                const CodecContext& ctx) {
+    encode(x, payload, ctx);
+    return payload.numel();
+  }
   // A codec that keeps state between updates (ErrorCompensatedCodec) lists it here for
   // checkpoints, and load_state() puts it back; a stateless codec refuses any state.
   virtual NamedTensors state() const { return {}; }

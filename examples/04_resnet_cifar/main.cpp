@@ -86,8 +86,9 @@ struct Config {
   std::string aggregator =
       "auto";                  // auto (the all-reduce fast path) | mean | median | trimmed-mean
   int64_t trim = 1;            // trimmed-mean: values dropped at each end per coordinate
-  std::string codec = "none";  // none | quantize | quantize-ec
+  std::string codec = "none";  // none | quantize | quantize-ec | zstd | fpzip
   int codec_bits = 8;
+  int codec_level = 1;  // zstd's level
   int64_t codec_chunk = 1024;
   // Attack emulation: ranks that train on flipped labels.
   std::string flip_ranks;  // "2,5"; empty: flip_fraction of the ranks, drawn with the seed
@@ -200,9 +201,12 @@ void bind(CLI::App& app, Config& c, std::string& config_path) {
   app.add_option("--trim", c.trim, "trimmed-mean: values dropped at each end per coordinate")
       ->check(kNonNegative);
   app.add_option("--codec", c.codec,
-                 "decentralized: what a rank sends, none, quantize or quantize-ec (quantized "
-                 "changes against the last value sent: error compensation)")
-      ->check(CLI::IsMember({"none", "quantize", "quantize-ec"}));
+                 "decentralized: what a rank sends, none, quantize, quantize-ec (quantized "
+                 "changes against the last value sent: error compensation), or the lossless "
+                 "zstd or fpzip")
+      ->check(CLI::IsMember({"none", "quantize", "quantize-ec", "zstd", "fpzip"}));
+  app.add_option("--codec-level", c.codec_level, "zstd: compression level (1 fastest, 19)")
+      ->check(CLI::Range(1, 19));
   app.add_option("--codec-bits", c.codec_bits, "quantize: 8 or 4 bits per value")
       ->check(CLI::IsMember({8, 4}));
   app.add_option("--codec-chunk", c.codec_chunk, "quantize: values per (minimum, step) pair")
@@ -265,6 +269,7 @@ nlohmann::json to_json(const Config& c) {
           {"trim", c.trim},
           {"codec", c.codec},
           {"codec-bits", c.codec_bits},
+          {"codec-level", c.codec_level},
           {"codec-chunk", c.codec_chunk},
           {"flip-ranks", c.flip_ranks},
           {"flip-fraction", c.flip_fraction},
@@ -873,6 +878,10 @@ int run(const Config& cfg) {
   else if (cfg.codec == "quantize-ec")
     options.codec = std::make_shared<decent_dp::ErrorCompensatedCodec>(
         std::make_shared<decent_dp::QuantizeCodec>(cfg.codec_bits, cfg.codec_chunk));
+  else if (cfg.codec == "zstd")
+    options.codec = std::make_shared<decent_dp::ZstdCodec>(cfg.codec_level);
+  else if (cfg.codec == "fpzip")
+    options.codec = std::make_shared<decent_dp::FpzipCodec>();
   auto optim_fn = make_optimizer(cfg);
   auto sched_fn = make_schedule(cfg, steps_per_epoch);
   std::unique_ptr<Runner> runner;

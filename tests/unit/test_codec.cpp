@@ -4,10 +4,12 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "decent_dp/compensated_codec.h"
 #include "decent_dp/quantize_codec.h"
+#include "decent_dp/stream_codec.h"
 
 using decent_dp::CodecContext;
 using decent_dp::ErrorCompensatedCodec;
@@ -239,4 +241,125 @@ TEST_CASE("error compensation: bad inner codecs, states and blocks are refused",
   QuantizeCodec plain(8, 64);
   CHECK_THROWS_WITH(plain.load_state({{"bucket 0 slot 0 rank 0", torch::zeros({3})}}),
                     Catch::Contains("keeps no state"));
+}
+
+// ---- lossless stream codecs (Note [stream codecs]) ----
+
+namespace {
+
+using decent_dp::CommError;
+using decent_dp::FpzipCodec;
+using decent_dp::StreamCodec;
+using decent_dp::ZstdCodec;
+
+// Encodes x, checks the used prefix against the header, decodes only that prefix.
+at::Tensor stream_round_trip(StreamCodec& codec, const at::Tensor& x, int64_t* used_out = nullptr) {
+  at::Tensor payload =
+      at::empty({codec.payload_numel(x.numel(), x.scalar_type())}, at::TensorOptions(at::kByte));
+  const int64_t used = codec.encode_prefix(x, payload, CodecContext{0, 0, 0});
+  CHECK(used >= 16);
+  CHECK(used <= 16 + static_cast<int64_t>(x.nbytes()));  // never more than the raw block
+  CHECK(used == codec.last_encoded_bytes());
+  if (used_out != nullptr) {
+    *used_out = used;
+  }
+  at::Tensor out = at::full_like(x, 7);
+  codec.decode(payload.narrow(0, 0, used), out, CodecContext{0, 0, 1});
+  return out;
+}
+
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  return a.nbytes() == b.nbytes() &&
+         std::memcmp(a.data_ptr(), b.data_ptr(), static_cast<size_t>(a.nbytes())) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("stream codecs: bit-exact round trips, any length, NaN and infinity included",
+          "[codec][stream]") {
+  torch::manual_seed(9);
+  ZstdCodec zstd(1);
+  ZstdCodec zstd19(19);
+  FpzipCodec fpzip;
+  std::vector<StreamCodec*> codecs = {&zstd, &zstd19, &fpzip};
+  for (StreamCodec* codec : codecs) {
+    CAPTURE(codec->name());
+    for (int64_t n : {0, 1, 2, 3, 17, 1000, 4099, 65537}) {
+      CAPTURE(n);
+      const at::Tensor x = torch::randn({n});
+      CHECK(same_bits(stream_round_trip(*codec, x), x));
+      const at::Tensor d = torch::randn({n}, at::kDouble);
+      CHECK(same_bits(stream_round_trip(*codec, d), d));
+    }
+    // Special values pass through losslessly: the codec compresses bits, not numbers.
+    at::Tensor s = torch::randn({300});
+    s[0] = std::numeric_limits<float>::quiet_NaN();
+    s[1] = std::numeric_limits<float>::infinity();
+    s[2] = -std::numeric_limits<float>::infinity();
+    s[3] = -0.0f;
+    s[4] = std::numeric_limits<float>::denorm_min();
+    CHECK(same_bits(stream_round_trip(*codec, s), s));
+  }
+}
+
+TEST_CASE("stream codecs: compressible blocks shrink, incompressible ones go raw",
+          "[codec][stream]") {
+  ZstdCodec zstd(1);
+  FpzipCodec fpzip;
+  // fpzip predicts each value from the previous one: a smooth ramp is nearly free.
+  int64_t used = 0;
+  const at::Tensor ramp = torch::linspace(0, 1, 10000);
+  CHECK(same_bits(stream_round_trip(fpzip, ramp, &used), ramp));
+  CHECK(used < 20000);
+  for (StreamCodec* codec : std::vector<StreamCodec*>{&zstd, &fpzip}) {
+    CAPTURE(codec->name());
+    // Few distinct values and a constant block compress well below their 40000 bytes.
+    const at::Tensor few = torch::randint(0, 4, {10000}).to(at::kFloat) * 0.25;
+    CHECK(same_bits(stream_round_trip(*codec, few, &used), few));
+    CHECK(used < 30000);
+    const at::Tensor flat = at::full({10000}, 0.25f);
+    CHECK(same_bits(stream_round_trip(*codec, flat, &used), flat));
+    CHECK(used < 2000);
+  }
+  // Random bytes do not compress: the block is sent as it is, 16 header bytes on top.
+  const at::Tensor noise = torch::randint(0, 256, {5000}, at::kByte);
+  CHECK(same_bits(stream_round_trip(zstd, noise, &used), noise));
+  CHECK(used == 16 + 5000);
+}
+
+TEST_CASE("stream codecs: corrupt payloads, bad levels and dtypes are refused", "[codec][stream]") {
+  ZstdCodec zstd(3);
+  CHECK(zstd.name() == "zstd(level 3)");
+  CHECK(zstd.varying_size());
+  CHECK(zstd.payload_dtype(at::kFloat) == at::kByte);
+  CHECK_THROWS_WITH(ZstdCodec(0), Catch::Contains("level must be in"));
+  CHECK_THROWS_WITH(ZstdCodec(1000), Catch::Contains("got 1000"));
+  FpzipCodec fpzip;
+  CHECK_THROWS_WITH(fpzip.payload_numel(10, at::kHalf),
+                    Catch::Contains("float32 or float64, got Half"));
+  CHECK_THROWS_WITH(ErrorCompensatedCodec(std::make_shared<ZstdCodec>(1)),
+                    Catch::Contains("lossy fixed-size codec"));
+
+  const at::Tensor x = torch::linspace(0, 1, 1000);
+  for (StreamCodec* codec : std::vector<StreamCodec*>{&zstd, &fpzip}) {
+    CAPTURE(codec->name());
+    at::Tensor payload = at::empty({codec->payload_numel(1000, at::kFloat)}, at::kByte);
+    const int64_t used = codec->encode_prefix(x, payload, CodecContext{});
+    at::Tensor out = at::empty({1000});
+    // Shorter than its header, shorter than its header says, an unknown format, a damaged
+    // stream: a CommError naming the sender, bucket and update.
+    CHECK_THROWS_AS(codec->decode(payload.narrow(0, 0, 8), out, CodecContext{1, 5, 2}), CommError);
+    CHECK_THROWS_WITH(codec->decode(payload.narrow(0, 0, used - 1), out, CodecContext{1, 5, 2}),
+                      Catch::Contains("rank 2 for bucket 1, update 5 is corrupt"));
+    at::Tensor bad = payload.clone();
+    bad[8] = 9;
+    CHECK_THROWS_WITH(codec->decode(bad, out, CodecContext{1, 5, 2}), Catch::Contains("format 9"));
+    bad = payload.clone();
+    bad.narrow(0, 16, used - 16).fill_(0xA5);
+    CHECK_THROWS_AS(codec->decode(bad.narrow(0, 0, used), out, CodecContext{}), CommError);
+    // A payload that does not fit the block, and a block of another dtype.
+    at::Tensor small = at::empty({100}, at::kByte);
+    CHECK_THROWS_WITH(codec->encode_prefix(x, small, CodecContext{}),
+                      Catch::Contains("contiguous bytes, got 100"));
+  }
 }
