@@ -1,9 +1,13 @@
 // codec_bench: single-core throughput of the quantization codec (Note [uniform asymmetric
 // quantization]) on a float32 block: encode, decode and both, in GB/s of float32 input,
 // next to a plain copy of the block measured in the same run, and the payload's share of
-// the float32 bytes. Cases are interleaved round by round; medians are reported.
+// the float32 bytes. Then the lossless stream codecs (Note [stream codecs]: zstd at
+// --zstd-level, fpzip) on the same block: their ratio and speed. Cases are interleaved
+// round by round; medians are reported. The block is N(0, 0.05^2) values, or the float32
+// values of --raw FILE (e.g. a trained model's parameters written with numpy's tofile).
 //
-//   build/bin/codec_bench [--numel 4194304] [--rounds 15] [--chunk 1024] [--json out.json]
+//   build/bin/codec_bench [--numel 4194304] [--rounds 15] [--chunk 1024] [--zstd-level 1]
+//                         [--raw FILE] [--json out.json]
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -21,6 +25,10 @@
 
 #include "benchmarks/bench_util.h"
 #include "decent_dp/quantize_codec.h"
+#include "decent_dp/stream_codec.h"
+
+#include <cstdio>
+#include <memory>
 
 namespace {
 
@@ -45,6 +53,10 @@ int main(int argc, char** argv) {
   int rounds = 15;
   int64_t chunk = 1024;
   std::string json_path;
+  std::string raw_path;
+  int zstd_level = 1;
+  app.add_option("--raw", raw_path, "float32 values to use as the block (raw file)");
+  app.add_option("--zstd-level", zstd_level, "zstd's level")->check(CLI::Range(1, 19));
   app.add_option("--numel", numel, "float32 elements per block")->check(CLI::PositiveNumber);
   app.add_option("--rounds", rounds, "timed rounds per case")->check(CLI::PositiveNumber);
   app.add_option("--chunk", chunk, "elements per (minimum, step) pair")->check(CLI::PositiveNumber);
@@ -57,7 +69,26 @@ int main(int argc, char** argv) {
   }
   at::set_num_threads(1);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
-  at::Tensor x = at::randn({numel}, gen).mul_(0.05);  // parameter-like values
+  at::Tensor x;
+  if (raw_path.empty()) {
+    x = at::randn({numel}, gen).mul_(0.05);  // parameter-like values
+  } else {
+    std::FILE* f = std::fopen(raw_path.c_str(), "rb");
+    if (f == nullptr || std::fseek(f, 0, SEEK_END) != 0) {
+      std::fprintf(stderr, "error: --raw: cannot read %s\n", raw_path.c_str());
+      return 2;
+    }
+    numel = std::ftell(f) / 4;
+    std::rewind(f);
+    x = at::empty({numel});
+    if (numel == 0 ||
+        std::fread(x.data_ptr(), 4, static_cast<size_t>(numel), f) != static_cast<size_t>(numel)) {
+      std::fprintf(stderr, "error: --raw: %s holds no float32 values\n", raw_path.c_str());
+      std::fclose(f);
+      return 2;
+    }
+    std::fclose(f);
+  }
   at::Tensor y = at::empty({numel});
   const double gb = static_cast<double>(numel) * 4 / 1e9;
 
@@ -73,6 +104,21 @@ int main(int argc, char** argv) {
     c.payload.resize(static_cast<size_t>(decent_dp::quantize::payload_bytes(numel, bits, chunk)));
     cases.push_back(std::move(c));
   }
+  struct StreamCase {
+    std::shared_ptr<decent_dp::StreamCodec> codec;
+    at::Tensor payload;
+    int64_t used = 0;
+    std::vector<double> enc, dec;
+  };
+  std::vector<StreamCase> streams;
+  for (std::shared_ptr<decent_dp::StreamCodec> codec :
+       {std::shared_ptr<decent_dp::StreamCodec>(std::make_shared<decent_dp::ZstdCodec>(zstd_level)),
+        std::shared_ptr<decent_dp::StreamCodec>(std::make_shared<decent_dp::FpzipCodec>())}) {
+    StreamCase c;
+    c.payload = at::empty({codec->payload_numel(numel, at::kFloat)}, at::kByte);
+    c.codec = std::move(codec);
+    streams.push_back(std::move(c));
+  }
   std::vector<double> copy;
   const float* src = x.data_ptr<float>();
   float* dst = y.data_ptr<float>();
@@ -87,6 +133,16 @@ int main(int argc, char** argv) {
           [&] { decent_dp::quantize::encode(src, numel, c.bits, chunk, c.payload.data()); });
       const double td = seconds_of(
           [&] { decent_dp::quantize::decode(c.payload.data(), numel, c.bits, chunk, dst); });
+      if (r >= 0) {
+        c.enc.push_back(te);
+        c.dec.push_back(td);
+      }
+    }
+    for (StreamCase& c : streams) {
+      const double te = seconds_of(
+          [&] { c.used = c.codec->encode_prefix(x, c.payload, decent_dp::CodecContext{}); });
+      const double td = seconds_of(
+          [&] { c.codec->decode(c.payload.narrow(0, 0, c.used), y, decent_dp::CodecContext{}); });
       if (r >= 0) {
         c.enc.push_back(te);
         c.dec.push_back(td);
@@ -114,6 +170,17 @@ int main(int argc, char** argv) {
                             {"decode_gbps", gb / d},
                             {"roundtrip_gbps", gb / (e + d)},
                             {"payload_ratio", ratio}});
+  }
+  for (const StreamCase& c : streams) {
+    const double e = median(c.enc), d = median(c.dec);
+    const double ratio = static_cast<double>(c.used) / (static_cast<double>(numel) * 4);
+    fmt::print("{:<22} {:>10.2f} {:>10.2f} {:>12.2f} {:>9.1f}%\n", c.codec->name(), gb / e, gb / d,
+               gb / (e + d), 100 * ratio);
+    out["streams"].push_back({{"codec", c.codec->name()},
+                              {"encode_gbps", gb / e},
+                              {"decode_gbps", gb / d},
+                              {"roundtrip_gbps", gb / (e + d)},
+                              {"payload_ratio", ratio}});
   }
   if (!json_path.empty() && !decent_dp::bench::write_json(json_path, out, "-J/--json")) {
     return 1;
