@@ -5,13 +5,19 @@
 // --zstd-level, fpzip) on the same block: their ratio and speed. Cases are interleaved
 // round by round; medians are reported. The block is N(0, 0.05^2) values, or the float32
 // values of --raw FILE (e.g. a trained model's parameters written with numpy's tofile).
+// Last, the gather path's aggregators on a group of --group members, each sending
+// --agg-numel values: mean, median and trimmed mean (b = --trim) through the sorting network
+// (Note [sorting network]), next to the trimmed mean through ATen's sort along the group
+// dimension (the previous implementation), in ms per aggregation and as a paired ratio.
 //
 //   build/bin/codec_bench [--numel 4194304] [--rounds 15] [--chunk 1024] [--zstd-level 1]
-//                         [--raw FILE] [--json out.json]
+//                         [--raw FILE] [--group 8] [--trim 2] [--agg-numel 421888]
+//                         [--json out.json]
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/sum.h>
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
@@ -24,6 +30,7 @@
 #include <vector>
 
 #include "benchmarks/bench_util.h"
+#include "decent_dp/exchange_stage.h"
 #include "decent_dp/quantize_codec.h"
 #include "decent_dp/stream_codec.h"
 
@@ -55,6 +62,14 @@ int main(int argc, char** argv) {
   std::string json_path;
   std::string raw_path;
   int zstd_level = 1;
+  int group = 8;
+  int trim = 2;
+  int64_t agg_numel = 421888;  // the examples' cnn, rounded up to whole 128-byte slots
+  app.add_option("--group", group, "members of the aggregated group")->check(CLI::Range(1, 1024));
+  app.add_option("--trim", trim, "values the trimmed mean drops at each end")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--agg-numel", agg_numel, "float32 elements per member for the aggregators")
+      ->check(CLI::PositiveNumber);
   app.add_option("--raw", raw_path, "float32 values to use as the block (raw file)");
   app.add_option("--zstd-level", zstd_level, "zstd's level")->check(CLI::Range(1, 19));
   app.add_option("--numel", numel, "float32 elements per block")->check(CLI::PositiveNumber);
@@ -62,6 +77,10 @@ int main(int argc, char** argv) {
   app.add_option("--chunk", chunk, "elements per (minimum, step) pair")->check(CLI::PositiveNumber);
   app.add_option("-J,--json", json_path, "also write the results as JSON to this file");
   CLI11_PARSE(app, argc, argv);
+  if (group > 1 && group <= 2 * trim) {
+    std::fprintf(stderr, "error: --trim %d needs --group > %d, got %d\n", trim, 2 * trim, group);
+    return 2;
+  }
   if (const std::string why = decent_dp::bench::check_writable(json_path, "-J/--json");
       !why.empty()) {
     std::fprintf(stderr, "error: %s\n", why.c_str());
@@ -119,6 +138,44 @@ int main(int argc, char** argv) {
     c.codec = std::move(codec);
     streams.push_back(std::move(c));
   }
+  // Aggregators: k rows of parameter-like values, this rank's own in row 0.
+  struct AggCase {
+    std::string name;
+    std::function<void(const at::Tensor&, const at::Tensor&)> run;
+    std::vector<double> t;
+  };
+  const at::Tensor agg_rows = at::randn({group, agg_numel}, gen).mul_(0.05);
+  at::Tensor agg_out = at::empty({agg_numel});
+  decent_dp::topology::Group agg_group;
+  for (int m = 0; m < group; ++m) {
+    agg_group.ranks.push_back(m);
+  }
+  agg_group.self_weight = 1.0 / group;
+  auto mean_agg = std::make_shared<decent_dp::MeanAggregator>();
+  auto median_agg = std::make_shared<decent_dp::MedianAggregator>();
+  auto trimmed_agg = std::make_shared<decent_dp::TrimmedMeanAggregator>(trim);
+  std::vector<AggCase> aggs;
+  aggs.push_back(
+      {"mean",
+       [&](const at::Tensor& r, const at::Tensor& o) { mean_agg->aggregate(r, 0, agg_group, o); },
+       {}});
+  aggs.push_back(
+      {"median (network)",
+       [&](const at::Tensor& r, const at::Tensor& o) { median_agg->aggregate(r, 0, agg_group, o); },
+       {}});
+  aggs.push_back({fmt::format("trimmed b={} (network)", trim),
+                  [&](const at::Tensor& r, const at::Tensor& o) {
+                    trimmed_agg->aggregate(r, 0, agg_group, o);
+                  },
+                  {}});
+  aggs.push_back({fmt::format("trimmed b={} (ATen sort)", trim),
+                  [&](const at::Tensor& r, const at::Tensor& o) {
+                    const at::Tensor sorted = std::get<0>(r.sort(0));
+                    at::Tensor target = o;
+                    at::sum_out(target, sorted.narrow(0, trim, group - 2 * trim), {0});
+                    o.div_(static_cast<double>(group - 2 * trim));
+                  },
+                  {}});
   std::vector<double> copy;
   const float* src = x.data_ptr<float>();
   float* dst = y.data_ptr<float>();
@@ -136,6 +193,12 @@ int main(int argc, char** argv) {
       if (r >= 0) {
         c.enc.push_back(te);
         c.dec.push_back(td);
+      }
+    }
+    for (AggCase& c : aggs) {
+      const double t = seconds_of([&] { c.run(agg_rows, agg_out); });
+      if (r >= 0) {
+        c.t.push_back(t);
       }
     }
     for (StreamCase& c : streams) {
@@ -182,6 +245,25 @@ int main(int argc, char** argv) {
                               {"roundtrip_gbps", gb / (e + d)},
                               {"payload_ratio", ratio}});
   }
+  fmt::print("\n# aggregators: group of {}, {} float32 elements per member, one thread\n", group,
+             agg_numel);
+  fmt::print("{:<26} {:>10} {:>14}\n", "case", "ms", "member GB/s");
+  const double agg_gb = static_cast<double>(agg_numel) * group * 4 / 1e9;
+  for (const AggCase& c : aggs) {
+    const double t = median(c.t);
+    fmt::print("{:<26} {:>10.2f} {:>14.2f}\n", c.name, 1e3 * t, agg_gb / t);
+    out["aggregators"].push_back({{"case", c.name}, {"ms", 1e3 * t}, {"gbps", agg_gb / t}});
+  }
+  // Paired per round: ATen's sort over the network, the same round's two timings.
+  std::vector<double> speedup;
+  for (size_t r = 0; r < aggs[2].t.size(); ++r) {
+    speedup.push_back(aggs[3].t[r] / aggs[2].t[r]);
+  }
+  fmt::print("trimmed mean: ATen sort / network = {:.1f}x (median of paired rounds)\n",
+             median(speedup));
+  out["trimmed_sort_over_network"] = median(speedup);
+  out["group"] = group;
+  out["agg_numel"] = agg_numel;
   if (!json_path.empty() && !decent_dp::bench::write_json(json_path, out, "-J/--json")) {
     return 1;
   }

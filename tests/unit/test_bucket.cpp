@@ -7,6 +7,7 @@
 
 #include "decent_dp/bucket.h"
 #include "decent_dp/bucket_set.h"
+#include "decent_dp/detail/order_statistics.h"
 #include "decent_dp/env.h"
 #include "decent_dp/exchange.h"
 #include "decent_dp/optim/adam.h"
@@ -264,4 +265,110 @@ TEST_CASE("trimmed mean: the topology check names the first group that is too sm
   auto ring = decent_dp::topology::make_topology("ring", 8, 1);
   CHECK_NOTHROW(TrimmedMeanAggregator(0).check(*ring));
   CHECK_THROWS_WITH(TrimmedMeanAggregator(1).check(*ring), Catch::Contains("topology 'ring'"));
+}
+
+TEST_CASE("sorting network: every 0-1 input of up to 16 rows comes out sorted", "[aggregator]") {
+  // The 0-1 principle: a comparator network that sorts every sequence of zeros and ones
+  // sorts every sequence. Column c holds the bits of c, so all 2^k inputs run at once, and
+  // position m of a sorted column is 1 exactly when m >= k - popcount(c).
+  for (int k = 1; k <= 16; ++k) {
+    INFO("k " << k);
+    const int64_t n = int64_t{1} << k;
+    at::Tensor rows = at::empty({k, n});
+    auto a = rows.accessor<float, 2>();
+    for (int m = 0; m < k; ++m)
+      for (int64_t c = 0; c < n; ++c)
+        a[m][c] = static_cast<float>((c >> m) & 1);
+    const at::Tensor ones = rows.sum(0);
+    at::Tensor out = at::empty({n});
+    for (int m = 0; m < k; ++m) {
+      decent_dp::detail::sorted_range_sum(rows.data_ptr<float>(), n, k, n, m, m + 1, 1.0f,
+                                          out.data_ptr<float>());
+      CHECK(out.equal(ones.ge(k - m).to(at::kFloat)));
+    }
+    // Batcher's comparator count: 19 at k = 8, 63 at k = 16.
+    if (k == 8)
+      CHECK(decent_dp::detail::sorting_network(8).size() == 19);
+    if (k == 16)
+      CHECK(decent_dp::detail::sorting_network(16).size() == 63);
+  }
+}
+
+TEST_CASE("sorting network: order statistics equal ATen's sort, ties, infinities and NaN",
+          "[aggregator]") {
+  torch::manual_seed(3);
+  for (int k : {2, 3, 5, 7, 8, 9, 17, 33, 64}) {
+    for (int64_t n : {1, 255, 256, 1000}) {
+      INFO("k " << k << " n " << n);
+      // Rounded values make ties common; a few infinities and NaNs (sorted last by ATen).
+      at::Tensor rows = torch::randn({k, n}).mul_(4).round_();
+      at::Tensor u = torch::rand({k, n});
+      rows.masked_fill_(u < 0.03, std::numeric_limits<float>::infinity());
+      rows.masked_fill_(u > 0.97, -std::numeric_limits<float>::infinity());
+      rows.masked_fill_((u > 0.5) & (u < 0.53), std::numeric_limits<float>::quiet_NaN());
+      const at::Tensor sorted = std::get<0>(rows.sort(0));
+      at::Tensor out = at::empty({n});
+      for (int m = 0; m < k; ++m) {
+        decent_dp::detail::sorted_range_sum(rows.data_ptr<float>(), n, k, n, m, m + 1, 1.0f,
+                                            out.data_ptr<float>());
+        const at::Tensor want = sorted[m];
+        CHECK(out.isnan().equal(want.isnan()));
+        CHECK(out.nan_to_num(0, 1e30, -1e30).equal(want.nan_to_num(0, 1e30, -1e30)));
+      }
+      // A strided view (rows further apart than n) and double rows.
+      at::Tensor wide = torch::zeros({k, n + 7}, at::kDouble);
+      wide.narrow(1, 0, n).copy_(rows);
+      at::Tensor outd = at::empty({n}, at::kDouble);
+      const int lo = k / 3, hi = k - k / 3;
+      decent_dp::detail::sorted_range_sum(wide.data_ptr<double>(), n + 7, k, n, lo, hi,
+                                          static_cast<double>(hi - lo), outd.data_ptr<double>());
+      const at::Tensor wantd =
+          std::get<0>(wide.narrow(1, 0, n).sort(0)).narrow(0, lo, hi - lo).sum(0) / (hi - lo);
+      CHECK(outd.isnan().equal(wantd.isnan()));
+      CHECK(torch::allclose(outd.nan_to_num(0, 1e30, -1e30), wantd.nan_to_num(0, 1e30, -1e30),
+                            1e-12, 0));
+    }
+  }
+}
+
+TEST_CASE("median and trimmed mean agree with ATen's sort on every path", "[aggregator]") {
+  torch::manual_seed(5);
+  decent_dp::topology::Group g;
+  for (int k : {1, 2, 3, 4, 8, 11, 64, 65}) {  // 65: beyond the network, ATen's sort
+    for (auto dtype : {at::kFloat, at::kDouble, at::kHalf}) {  // half: ATen's sort
+      INFO("k " << k << " dtype " << dtype);
+      g.ranks.resize(static_cast<size_t>(k));
+      for (int m = 0; m < k; ++m)
+        g.ranks[static_cast<size_t>(m)] = m;
+      const int64_t n = 777;
+      const at::Tensor rows = torch::randn({k, n}).to(dtype);
+      const at::Tensor sorted = std::get<0>(rows.to(at::kDouble).sort(0));
+      at::Tensor out = at::empty({n}, dtype);
+      decent_dp::MedianAggregator().aggregate(rows, 0, g, out);
+      const at::Tensor median =
+          k % 2 == 1 ? sorted[k / 2] : (sorted[k / 2 - 1] + sorted[k / 2]) / 2;
+      const double tol = dtype == at::kHalf ? 1e-3 : 1e-6;
+      CHECK(torch::allclose(out.to(at::kDouble), median, tol, tol));
+      for (int64_t b : {0, 1, 3}) {
+        if (k > 1 && k <= 2 * b)
+          continue;
+        decent_dp::TrimmedMeanAggregator(b).aggregate(rows, 0, g, out);
+        const at::Tensor want = k == 1 ? sorted[0] : sorted.narrow(0, b, k - 2 * b).mean(0);
+        CHECK(torch::allclose(out.to(at::kDouble), want, tol, tol));
+      }
+    }
+  }
+}
+
+TEST_CASE("trimmed mean drops a member that sends NaN or infinity", "[aggregator]") {
+  decent_dp::topology::Group g;
+  g.ranks = {0, 1, 2, 3, 4};
+  at::Tensor rows = torch::arange(5 * 300, at::kFloat).view({5, 300}).remainder(7);
+  rows[1].fill_(std::numeric_limits<float>::quiet_NaN());
+  rows[3].fill_(-std::numeric_limits<float>::infinity());
+  at::Tensor out = at::empty({300});
+  decent_dp::TrimmedMeanAggregator(1).aggregate(rows, 0, g, out);
+  // Per column the NaN is the largest and -inf the smallest: rows 0, 2 and 4 remain.
+  const at::Tensor honest = torch::stack({rows[0], rows[2], rows[4]}).mean(0);
+  CHECK(torch::allclose(out, honest));
 }
