@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "decent_dp/topology/topology.h"
+#include "decent_dp/topology/traffic.h"
 
 using namespace decent_dp;
 using namespace decent_dp::topology;
@@ -368,4 +369,92 @@ TEST_CASE("random-<k>: malformed names are refused with the expected form", "[to
     CHECK_THROWS_WITH(make_topology(bad, 8, 1), Catch::Contains("random-<k> or random-<k>:<seed>"));
   CHECK_THROWS_WITH(make_topology("random-1", 8, 1), Catch::Contains("must be >= 2, got 1"));
   CHECK_THROWS_WITH(make_topology("nonesuch", 8, 1), Catch::Contains("or random-<k>[:<seed>]"));
+}
+
+namespace {
+
+// Per node of one slot: (bytes out through the NIC, ranks sending across), block B = 8.
+using NicSlot = std::vector<std::pair<double, int>>;
+
+std::vector<NicSlot> nic_table(const std::string& name, int n, int lws) {
+  auto t = make_topology(name, n, lws);
+  std::vector<NicSlot> out;
+  for (const SlotTraffic& s : period_traffic(*t, 8.0)) {
+    NicSlot row;
+    for (int node = 0; node < s.nodes; ++node) {
+      row.emplace_back(s.nic_out[static_cast<size_t>(node)],
+                       s.nic_flows_out[static_cast<size_t>(node)]);
+      // A ring enters a node as often as it leaves it.
+      CHECK(s.nic_in[static_cast<size_t>(node)] == s.nic_out[static_cast<size_t>(node)]);
+    }
+    out.push_back(row);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("traffic: bytes per rank and per NIC of every built-in at n = 8", "[topology][traffic]") {
+  // Block B = 8 bytes. A group of k runs a ring all-reduce in rank order: each member sends
+  // 2 (k - 1) / k B to the next, so 14 at k = 8, 12 at k = 4 and 8 at k = 2.
+  using P = std::pair<double, int>;
+  SECTION("complete") {
+    // One ring 0 -> 1 -> ... -> 7 -> 0: it leaves each node once, from the node's last rank.
+    CHECK(nic_table("complete", 8, 2) ==
+          std::vector<NicSlot>{{P{14, 1}, P{14, 1}, P{14, 1}, P{14, 1}}});
+    CHECK(nic_table("complete", 8, 4) == std::vector<NicSlot>{{P{14, 1}, P{14, 1}}});
+    auto t = make_topology("complete", 8, 2);
+    const SlotTraffic s = slot_traffic(*t, 0, 8.0);
+    CHECK(s.sent == std::vector<double>(8, 14.0));
+    CHECK(s.sent_inter == std::vector<double>{0, 14, 0, 14, 0, 14, 0, 14});
+    CHECK(s.max_group == 8);
+  }
+  SECTION("ring") {
+    // Slot 0 pairs [0,1] [2,3] ...: inside nodes at lws 2 and 4. Slot 1 pairs [0,7] [1,2]
+    // [3,4] [5,6]: at lws 2 every pair crosses (two flows of B per node); at lws 4 only
+    // [0,7] and [3,4] do (ranks 0 and 3 of node 0, 4 and 7 of node 1).
+    CHECK(nic_table("ring", 8, 2) ==
+          std::vector<NicSlot>{{P{0, 0}, P{0, 0}, P{0, 0}, P{0, 0}},
+                               {P{16, 2}, P{16, 2}, P{16, 2}, P{16, 2}}});
+    CHECK(nic_table("ring", 8, 4) ==
+          std::vector<NicSlot>{{P{0, 0}, P{0, 0}}, {P{16, 2}, P{16, 2}}});
+    auto t = make_topology("ring", 8, 4);
+    CHECK(slot_traffic(*t, 1, 8.0).sent_inter == std::vector<double>{8, 0, 0, 8, 8, 0, 0, 8});
+  }
+  SECTION("one-peer-exp") {
+    // Slots pair j with j + 1, j + 2, j + 4: at lws 2 the last two cross with both ranks
+    // of each node; at lws 4 only the last does, with all four.
+    CHECK(nic_table("one-peer-exp", 8, 2) ==
+          std::vector<NicSlot>{{P{0, 0}, P{0, 0}, P{0, 0}, P{0, 0}},
+                               {P{16, 2}, P{16, 2}, P{16, 2}, P{16, 2}},
+                               {P{16, 2}, P{16, 2}, P{16, 2}, P{16, 2}}});
+    CHECK(nic_table("one-peer-exp", 8, 4) ==
+          std::vector<NicSlot>{{P{0, 0}, P{0, 0}}, {P{0, 0}, P{0, 0}}, {P{32, 4}, P{32, 4}}});
+  }
+  SECTION("alternating-exp-ring") {
+    // lws 2, four nodes: each slot joins one pair of nodes into a group of 4 (a ring that
+    // leaves each of its two nodes once with 12 bytes) while the other nodes mix inside.
+    CHECK(nic_table("aer", 8, 2) == std::vector<NicSlot>{{P{0, 0}, P{0, 0}, P{12, 1}, P{12, 1}},
+                                                         {P{12, 1}, P{12, 1}, P{0, 0}, P{0, 0}},
+                                                         {P{0, 0}, P{12, 1}, P{0, 0}, P{12, 1}},
+                                                         {P{12, 1}, P{0, 0}, P{12, 1}, P{0, 0}}});
+    // lws 4, two nodes: inside the nodes, then all eight ranks as one ring.
+    CHECK(nic_table("aer", 8, 4) == std::vector<NicSlot>{{P{0, 0}, P{0, 0}}, {P{14, 1}, P{14, 1}}});
+    auto t = make_topology("aer", 8, 2);
+    const SlotTraffic s = slot_traffic(*t, 0, 8.0);
+    CHECK(s.sent == std::vector<double>{8, 8, 8, 8, 12, 12, 12, 12});
+    CHECK(s.sent_inter == std::vector<double>{0, 0, 0, 0, 0, 12, 0, 12});
+    CHECK(s.max_group == 4);
+    CHECK(s.max_nic_out() == 12);
+    CHECK(s.max_nic_flows_out() == 1);
+  }
+  SECTION("one node and singletons") {
+    auto t = make_topology("complete", 4, 4);
+    const SlotTraffic s = slot_traffic(*t, 0, 8.0);
+    CHECK(s.nodes == 1);
+    CHECK(s.max_sent_inter() == 0);
+    CHECK(s.max_sent() == 12);
+    auto one = make_topology("complete", 1, 1);
+    CHECK(slot_traffic(*one, 0, 8.0).max_sent() == 0);
+  }
 }
