@@ -9,6 +9,16 @@
 // other names are the models of examples/common (the trainer's), on images of --channels x
 // --image-size x --image-size.
 //
+// --model sleep is the compute model for timing studies with more ranks than cores (the
+// emulated cluster of benchmarks/emulate): --params parameters in --layers equal layers whose
+// forward and backward cost a sleep, --compute-ms per step in all (a third forward, two
+// thirds backward, spread over the layers, plus a uniform extra of up to --jitter-ms per rank
+// and step, from a (rank, step) seed), and SGD as the optimizer. Step time then measures
+// communication, overlap and the coupling of ranks only. --lws sets the ranks per node the
+// topologies see (0: found through MPI; default: 1, and n / 2 for aer). --round-warmup N
+// runs N untimed steps at the start of each round and leaves the round's final drain
+// (synchronize()) out of the time: the steady-state period, what the emulated sweeps report.
+//
 // Every rank trains at the same time in every case, so the machine is equally loaded; the
 // time of a case in one round is the slowest rank's mean over the timed steps. Rounds run
 // every case in turn; the ratio to local training is the median over rounds of the ratio
@@ -28,6 +38,7 @@
 #include <chrono>
 #include <fstream>
 #include <functional>
+#include <thread>
 
 #include <time.h>
 
@@ -69,6 +80,63 @@ torch::nn::Sequential make_mlp() {
                                torch::nn::Linear(4096, 10));
 }
 
+void sleep_ms(double ms) {
+  if (ms > 0)
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
+}
+
+// One layer of the sleep model: y = x, at a cost of `forward_ms` forward and `backward_ms`
+// backward; the weight's gradient is a constant (one write of the layer's gradient).
+struct SleepFunction : torch::autograd::Function<SleepFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w, double forward_ms, double backward_ms) {
+    ctx->saved_data["backward_ms"] = backward_ms;
+    ctx->saved_data["numel"] = w.numel();
+    sleep_ms(forward_ms);
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    sleep_ms(ctx->saved_data["backward_ms"].toDouble());
+    return {grad[0], at::full({ctx->saved_data["numel"].toInt()}, 1e-4), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+struct SleepCost {
+  double forward_ms = 0;   // per layer
+  double backward_ms = 0;  // per layer
+  double jitter_ms = 0;    // per step, on the first layer's forward
+  int rank = 0;
+};
+
+class SleepLayerImpl : public torch::nn::Module {
+ public:
+  SleepLayerImpl(int64_t numel, std::shared_ptr<SleepCost> cost, bool first)
+      : cost_(std::move(cost)), first_(first) {
+    w_ = register_parameter("w", torch::zeros({numel}));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    double f = cost_->forward_ms;
+    if (first_ && cost_->jitter_ms > 0) {
+      // Uniform in [0, jitter_ms), from (rank, step): reproducible, different per rank.
+      uint64_t h = (static_cast<uint64_t>(cost_->rank) << 32) ^ steps_++;
+      h ^= h >> 33;
+      h *= 0xff51afd7ed558ccdULL;
+      h ^= h >> 33;
+      f += cost_->jitter_ms * static_cast<double>(h >> 11) / 9007199254740992.0;
+    }
+    return SleepFunction::apply(x, w_, f, cost_->backward_ms);
+  }
+
+ private:
+  std::shared_ptr<SleepCost> cost_;
+  bool first_;
+  at::Tensor w_;
+  uint64_t steps_ = 0;
+};
+TORCH_MODULE(SleepLayer);
+
 int64_t count(torch::nn::Module& m) {
   int64_t n = 0;
   for (const auto& p : m.parameters())
@@ -97,7 +165,7 @@ int main(int argc, char** argv) {
   int steps = 5, warmup = 3, batch = 16, threads = 1, rounds = 5;
   std::vector<std::string> topologies = {"complete", "ring", "exp", "aer"};
   std::string json_path;
-  std::vector<std::string> models = {"conv", "mlp"};
+  std::vector<std::string> models = {"conv", "mlp", "sleep"};
   for (const auto& m : decent_dp::examples::model_names())
     if (m != "mlp")
       models.push_back(m);
@@ -115,6 +183,24 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
   app.add_option("-t,--topology", topologies, "topologies (skipped when n does not fit)");
   app.add_option("-J,--json", json_path, "also write the results as JSON");
+  double compute_ms = 100, jitter_ms = 0, sleep_params = 4e6, bucket_mb = 25;
+  int layers = 8, lws = -1, round_warmup = 0;
+  app.add_option("--round-warmup", round_warmup,
+                 "untimed steps at the start of each round; with N > 0 the round's final "
+                 "synchronize() is not timed either (steady-state time per step)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--compute-ms", compute_ms, "sleep model: forward + backward ms per step")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--jitter-ms", jitter_ms, "sleep model: up to this much more per rank and step")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--params", sleep_params, "sleep model: parameters in all")
+      ->check(CLI::Range(1.0, 4e9));
+  app.add_option("--layers", layers, "sleep model: layers (parameter tensors)")
+      ->check(CLI::Range(1, 100000));
+  app.add_option("--bucket-mb", bucket_mb, "both wrappers' bucket_cap_mb")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--lws", lws, "ranks per node for the topologies (0: found through MPI)")
+      ->check(CLI::NonNegativeNumber);
   bool no_local_barrier = false, no_ddp = false;
   app.add_flag("--no-local-barrier", no_local_barrier, "skip the local + barrier case");
   app.add_flag("--no-ddp", no_ddp, "skip the DistributedDataParallel case");
@@ -128,28 +214,52 @@ int main(int argc, char** argv) {
 
   auto comm = decent_dp::default_communicator();
   const int rank = comm->rank(), n = comm->size();
-  const bool common = model_name != "conv" && model_name != "mlp";
+  const bool sleep_model = model_name == "sleep";
+  const bool common = model_name != "conv" && model_name != "mlp" && !sleep_model;
+  auto cost = std::make_shared<SleepCost>();
+  cost->forward_ms = compute_ms / 3 / layers;
+  cost->backward_ms = compute_ms * 2 / 3 / layers;
+  cost->jitter_ms = jitter_ms;
+  cost->rank = rank;
+  if (sleep_model && static_cast<int64_t>(sleep_params) < layers) {
+    if (rank == 0)
+      std::fprintf(stderr, "error: --params (%.0f) must be at least --layers (%d)\n", sleep_params,
+                   layers);
+    return 2;
+  }
   auto make = [&] {
     if (model_name == "conv")
       return make_conv();
     if (model_name == "mlp")
       return make_mlp();
+    if (sleep_model) {
+      torch::nn::Sequential s;
+      const auto total = static_cast<int64_t>(sleep_params);
+      for (int i = 0; i < layers; ++i)
+        s->push_back(SleepLayer(total / layers + (i < total % layers ? 1 : 0), cost, i == 0));
+      return s;
+    }
     torch::manual_seed(0);
     return decent_dp::examples::make_model(model_name, channels, 10, image_size);
   };
   auto gen = at::make_generator<at::CPUGeneratorImpl>(rank + 1);
   const int64_t c = common ? channels : 3, side = common ? image_size : 32;  // conv: 3x32x32
-  const auto x =
-      model_name == "mlp" ? at::randn({batch, 1024}, gen) : at::randn({batch, c, side, side}, gen);
+  const auto x = model_name == "mlp" ? at::randn({batch, 1024}, gen)
+                 : sleep_model       ? at::randn({batch, 10}, gen)
+                                     : at::randn({batch, c, side, side}, gen);
   const auto y = at::randint(0, 10, {batch}, gen);
-  auto optim_fn = decent_dp::optim::adamw();
+  auto optim_fn = sleep_model ? decent_dp::optim::sgd() : decent_dp::optim::adamw();
   {
     auto probe = make();
     if (rank == 0) {
       fmt::print(
           "# step_bench: {} ({} parameters), {} ranks, batch {} per rank, {} thread(s) per "
-          "rank, AdamW, {} rounds of {} steps per case after {} warm-up steps\n",
-          model_name, count(*probe), n, batch, threads, rounds, steps, warmup);
+          "rank, {}, {} rounds of {} steps per case after {} warm-up steps\n",
+          model_name, count(*probe), n, batch, threads, sleep_model ? "SGD" : "AdamW", rounds,
+          steps, warmup);
+      if (sleep_model)
+        fmt::print("# sleep model: {} layers, {} ms compute per step (+ up to {} ms jitter)\n",
+                   layers, compute_ms, jitter_ms);
     }
   }
   // Every case is built first; then `rounds` rounds each run every case for `steps` steps, so
@@ -192,8 +302,10 @@ int main(int argc, char** argv) {
   if (!no_local_barrier)
     local_case(true);
   if (!no_ddp) {
+    decent_dp::DataParallelOptions options;
+    options.bucket_cap_mb = bucket_mb;
     auto model = std::make_shared<decent_dp::DistributedDataParallel<torch::nn::Sequential>>(
-        make(), decent_dp::DataParallelOptions(), optim_fn, nullptr, comm);
+        make(), options, optim_fn, nullptr, comm);
     keep.push_back(model);
     cases.push_back(
         {"DistributedDataParallel (all-reduce)",
@@ -204,7 +316,8 @@ int main(int argc, char** argv) {
   for (const auto& t : topologies) {
     decent_dp::DataParallelOptions options;
     options.topology = t;
-    options.local_world_size = t == "aer" ? std::max(2, n / 2) : 1;
+    options.bucket_cap_mb = bucket_mb;
+    options.local_world_size = lws >= 0 ? lws : t == "aer" ? std::max(2, n / 2) : 1;
     std::shared_ptr<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>> model;
     try {
       model = std::make_shared<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>>(
@@ -231,14 +344,23 @@ int main(int argc, char** argv) {
     for (size_t k = 0; k < cases.size(); ++k) {
       auto& c = cases[(k + static_cast<size_t>(r)) % cases.size()];
       MPI_Barrier(MPI_COMM_WORLD);
+      // With --round-warmup the pipeline is full when the clock starts (the first timed step
+      // waits for the exchange of the untimed one before it, as in the steady state) and the
+      // exchanges still in flight at the end are drained after the clock stops: the time is
+      // exactly `steps` periods of the steady state.
+      for (int i = 0; i < round_warmup; ++i)
+        c.step();
       const double process0 = cpu_ms(CLOCK_PROCESS_CPUTIME_ID);
       const double thread0 = cpu_ms(CLOCK_THREAD_CPUTIME_ID);
       const auto t0 = Clock::now();
       for (int i = 0; i < steps; ++i)
         c.step();
-      c.finish();
-      c.ms.push_back(
-          slowest(std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / steps));
+      if (round_warmup == 0)
+        c.finish();
+      const double elapsed = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      if (round_warmup > 0)
+        c.finish();
+      c.ms.push_back(slowest(elapsed / steps));
       const double other = (cpu_ms(CLOCK_PROCESS_CPUTIME_ID) - process0) -
                            (cpu_ms(CLOCK_THREAD_CPUTIME_ID) - thread0);
       c.other_cpu_ms.push_back(slowest(std::max(0.0, other) / steps));

@@ -10,6 +10,15 @@
 // boundaries (decent_dp/topology/traffic.h): the most bytes one rank sends to another node,
 // the most bytes leaving one node through its NIC, and the most ranks of one node sending
 // across at once.
+//
+//   decent_dp_topology --plan -n 8 --lws 2 --params 3e6 --compute-ms 300
+//                      --intra-bw 2000 --inter-bw 30 [--flow-bw 0] [--shared-efficiency 1]
+//                      [--latency-us 0]
+//
+// --plan predicts the time per step of all-reduce and of every built-in topology that fits
+// (or of --name, when given) on that cluster (Note [planner model] in
+// decent_dp/topology/planner.h), fastest first; bandwidths are in MB/s (10^6 bytes/s), as
+// measured (benchmarks/emulate/calibrate measures them with the library's all-reduce).
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <CLI/CLI.hpp>
@@ -18,7 +27,9 @@
 
 #include <algorithm>
 #include <iostream>
+#include <numeric>
 
+#include "decent_dp/topology/planner.h"
 #include "decent_dp/topology/topology.h"
 #include "decent_dp/topology/traffic.h"
 
@@ -62,7 +73,39 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   bool list = false;
   app.add_flag("--list", list, "list the registered topologies and exit");
+  bool plan = false;
+  PlanInputs in;
+  double bucket_mb = 25, intra_mbs = 0, inter_mbs = 0, flow_mbs = 0;
+  std::vector<double> buckets_mb;
+  app.add_flag("--plan", plan, "predict the step time of all-reduce and the topologies");
+  app.add_option("--compute-ms", in.compute_ms, "plan: forward + backward ms per step and rank")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--backward-fraction", in.backward_fraction, "plan: backward's share of compute")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--jitter-ms", in.jitter_ms, "plan: uniform extra compute per rank and step, max")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--optimizer-ms", in.optimizer_ms, "plan: optimizer ms per step")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--bucket-mb", bucket_mb, "plan: the wrappers' bucket_cap_mb")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--buckets", buckets_mb,
+                 "plan: bucket sizes in MiB, in gradient-ready order "
+                 "(instead of --params / --bucket-mb)");
+  app.add_option("--intra-bw", intra_mbs, "plan: MB/s of a link inside a node")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--inter-bw", inter_mbs, "plan: MB/s out of one node's NIC")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--flow-bw", flow_mbs, "plan: MB/s cap of one flow across nodes (0: none)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--shared-efficiency", in.shared_efficiency,
+                 "plan: share of a NIC that several flows across get together")
+      ->check(CLI::Range(0.01, 1.0));
+  app.add_option("--latency-us", in.latency_us, "plan: microseconds per ring step")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--steps", in.steps, "plan: simulated steps (0: four periods, at least 32)")
+      ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
+  const bool name_given = app.count("--name") > 0;
 
   if (list) {
     for (const auto& t : registered_topologies()) {
@@ -71,6 +114,83 @@ int main(int argc, char** argv) {
     return 0;
   }
   try {
+    if (plan) {
+      if (intra_mbs <= 0 || inter_mbs <= 0) {
+        std::cerr << "error: --plan needs --intra-bw and --inter-bw (MB/s, > 0)\n";
+        return 2;
+      }
+      in.intra_bw = intra_mbs * 1e6;
+      in.inter_bw = inter_mbs * 1e6;
+      in.flow_bw = flow_mbs * 1e6;
+      if (buckets_mb.empty()) {
+        in.bucket_bytes = buckets_of(params, dtype_bytes, bucket_mb);
+      } else {
+        for (double b : buckets_mb) {
+          in.bucket_bytes.push_back(b * 1048576.0);
+        }
+      }
+      std::vector<Prediction> rows{predict_allreduce(n, lws, in)};
+      const std::vector<std::string> names =
+          name_given ? std::vector<std::string>{name}
+                     : std::vector<std::string>{"complete", "ring", "one-peer-exp",
+                                                "alternating-exp-ring"};
+      nlohmann::json skipped = nlohmann::json::object();
+      for (const std::string& t : names) {
+        try {
+          rows.push_back(predict_gossip(*make_topology(t, n, lws), in));
+        } catch (const decent_dp::TopologyError& e) {
+          if (name_given) {
+            throw;
+          }
+          skipped[t] = e.what();
+        }
+      }
+      std::stable_sort(rows.begin(), rows.end(), [](const Prediction& a, const Prediction& b) {
+        return a.step_ms < b.step_ms;
+      });
+      const double allreduce_ms = std::find_if(rows.begin(), rows.end(), [](const Prediction& p) {
+                                    return p.name == "all-reduce";
+                                  })->step_ms;
+      nlohmann::json out;
+      out["world_size"] = n;
+      out["local_world_size"] = lws;
+      out["bucket_bytes"] = in.bucket_bytes;
+      out["compute_ms"] = in.compute_ms;
+      out["intra_bw_bytes_per_s"] = in.intra_bw;
+      out["inter_bw_bytes_per_s"] = in.inter_bw;
+      out["flow_bw_bytes_per_s"] = in.flow_bw;
+      out["shared_efficiency"] = in.shared_efficiency;
+      out["latency_us"] = in.latency_us;
+      out["skipped"] = skipped;
+      for (const Prediction& p : rows) {
+        out["predictions"].push_back({{"name", p.name},
+                                      {"step_ms", p.step_ms},
+                                      {"comm_ms", p.comm_ms},
+                                      {"wait_ms", p.wait_ms},
+                                      {"speedup_over_allreduce", allreduce_ms / p.step_ms}});
+      }
+      if (json) {
+        std::cout << out.dump(2) << "\n";
+        return 0;
+      }
+      fmt::print(
+          "plan: {} ranks, {} per node, {} bucket(s) of {} in all, compute {} ms per step; "
+          "links {} MB/s inside a node, {} MB/s per NIC{}\n",
+          n, lws, in.bucket_bytes.size(),
+          human_bytes(std::accumulate(in.bucket_bytes.begin(), in.bucket_bytes.end(), 0.0)),
+          in.compute_ms, intra_mbs, inter_mbs,
+          flow_mbs > 0 ? fmt::format(", {} MB/s per flow", flow_mbs) : std::string());
+      fmt::print("{:<22} {:>10} {:>10} {:>10} {:>14}\n", "", "ms/step", "comm ms", "wait ms",
+                 "vs all-reduce");
+      for (const Prediction& p : rows) {
+        fmt::print("{:<22} {:>10.1f} {:>10.1f} {:>10.1f} {:>13.2f}x\n", p.name, p.step_ms,
+                   p.comm_ms, p.wait_ms, allreduce_ms / p.step_ms);
+      }
+      for (const auto& [t, why] : skipped.items()) {
+        fmt::print("skipped {}: {}\n", t, why.get<std::string>());
+      }
+      return 0;
+    }
     auto topo = make_topology(name, n, lws);
     const double model_bytes = params * dtype_bytes;
     nlohmann::json out;

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "decent_dp/topology/planner.h"
 #include "decent_dp/topology/topology.h"
 #include "decent_dp/topology/traffic.h"
 
@@ -456,5 +457,66 @@ TEST_CASE("traffic: bytes per rank and per NIC of every built-in at n = 8", "[to
     CHECK(s.max_sent() == 12);
     auto one = make_topology("complete", 1, 1);
     CHECK(slot_traffic(*one, 0, 8.0).max_sent() == 0);
+  }
+}
+
+TEST_CASE("planner: hand-computed step times", "[topology][planner]") {
+  PlanInputs in;
+  in.bucket_bytes = {4e6};
+  in.backward_fraction = 0.5;
+  in.intra_bw = 1e9;
+  in.inter_bw = 1e8;
+  SECTION("one node") {
+    // complete on 4 ranks of one node: a ring of 6 steps of 1 MB at 1 GB/s = 6 ms. Gossip
+    // hides it behind the next step's 100 ms; all-reduce waits for it after the backward.
+    in.compute_ms = 100;
+    auto t = make_topology("complete", 4, 4);
+    const Prediction g = predict_gossip(*t, in);
+    CHECK(g.step_ms == Approx(100.0));
+    CHECK(g.comm_ms == Approx(6.0));
+    CHECK(g.wait_ms == Approx(0.0).margin(1e-9));
+    CHECK(predict_allreduce(4, 4, in).step_ms == Approx(106.0));
+  }
+  SECTION("two nodes, slots alternating light and heavy") {
+    // ring on 2 nodes of 2: slot 0 pairs inside nodes (2 steps of 2 MB at 1 GB/s = 4 ms),
+    // slot 1 pairs across, two flows sharing each 100 MB/s NIC (2 x 2 MB / 50 MB/s = 80 ms).
+    // With 50 ms of compute, every cross exchange makes the next step wait: two steps take
+    // 80 + 50 ms, so 65 ms per step. All-reduce: one ring over both nodes, one flow per NIC,
+    // 6 steps of 1 MB at 100 MB/s = 60 ms after each 50 ms step: 110 ms.
+    in.compute_ms = 50;
+    auto t = make_topology("ring", 4, 2);
+    const Prediction g = predict_gossip(*t, in);
+    CHECK(g.step_ms == Approx(65.0));
+    CHECK(g.wait_ms == Approx(15.0));  // 30 ms every second step
+    CHECK(g.comm_ms == Approx(42.0));  // (4 + 80) / 2
+    CHECK(predict_allreduce(4, 2, in).step_ms == Approx(110.0));
+    // One slow link: a cap of 30 MB/s per flow. Across: 2 x 2 MB / 30 MB/s = 133.3 ms, so
+    // (133.3 + 50) / 2 per step; all-reduce: 6 x 1 MB / 30 MB/s = 200 ms, 250 per step.
+    in.flow_bw = 3e7;
+    CHECK(predict_gossip(*t, in).step_ms == Approx((4e6 / 3e7 * 1e3 + 50) / 2));
+    CHECK(predict_allreduce(4, 2, in).step_ms == Approx(250.0));
+    // Latency: 10 ms per ring step adds 2 x 10 to the cross pair, 6 x 10 to all-reduce.
+    in.flow_bw = 0;
+    in.latency_us = 10000;
+    CHECK(predict_gossip(*t, in).step_ms == Approx((100.0 + 50) / 2));
+    CHECK(predict_allreduce(4, 2, in).step_ms == Approx(170.0));
+  }
+  SECTION("buckets: all-reduce overlaps the earlier buckets with the backward") {
+    // Two equal buckets of 2 MB on one node of 4 (3 ms each), 100 ms compute: the first
+    // all-reduce runs during the second half of the backward, only the second one is exposed.
+    in.compute_ms = 100;
+    in.bucket_bytes = {2e6, 2e6};
+    CHECK(predict_allreduce(4, 4, in).step_ms == Approx(103.0));
+    CHECK(buckets_of(10, 4, 16.0 / 1048576.0) == std::vector<double>{16, 16, 8});
+  }
+  SECTION("bad inputs are named") {
+    in.compute_ms = 10;
+    in.inter_bw = 0;
+    auto t = make_topology("complete", 4, 2);
+    CHECK_THROWS_WITH(predict_gossip(*t, in), Catch::Contains("inter_bw (bytes/s) must be > 0"));
+    in.inter_bw = 1e8;
+    in.bucket_bytes.clear();
+    CHECK_THROWS_WITH(predict_allreduce(4, 2, in), Catch::Contains("bucket_bytes must list"));
+    CHECK_THROWS_WITH(buckets_of(0, 4, 25), Catch::Contains("params must be >= 1"));
   }
 }
