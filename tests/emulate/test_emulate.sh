@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Smoke test of benchmarks/emulate/cluster: 2 emulated nodes of one rank each, one gossip_bench
+# size across them; then a failing command; after each, no namespace or interface of the run
+# is left. Exits 77 (ctest: skipped) where namespaces cannot be made (not root, no netns).
+set -uo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+build="${DECENT_DP_BUILD_DIR:-$root/build}"
+cluster="$root/benchmarks/emulate/cluster"
+leftovers() {
+  { ip netns list 2>/dev/null; ip -o link show 2>/dev/null; } | grep -c 'ddpe[0-9]' || true
+}
+before="$(leftovers)"
+
+out="$("$cluster" --nodes 2 --ranks-per-node 1 --rate 1gbit -- \
+  sh -c "\$EMU_MPIRUN -n 2 '$build/bin/gossip_bench' -b 1M -e 1M -n 3 -w 1 -t ring" 2>&1)"
+rc=$?
+if [ "$rc" -eq 77 ]; then
+  echo "$out"
+  exit 77
+fi
+echo "$out" | grep -v "setpgid"
+if [ "$rc" -ne 0 ]; then
+  echo "FAIL: gossip_bench across 2 emulated nodes exited with $rc"
+  exit 1
+fi
+# The 1 MiB row of slot 0 (the pair [0,1], across the two nodes), no wrong elements.
+if ! echo "$out" | grep -Eq '^ +1048576 +262144 +float \| +[0-9.]+ +[0-9.]+ +[0-9.]+ +0 \|'; then
+  echo "FAIL: no 1 MiB result row with 0 wrong elements"
+  exit 1
+fi
+if [ "$(leftovers)" != "$before" ]; then
+  echo "FAIL: namespaces or interfaces left after a successful run"
+  exit 1
+fi
+
+"$cluster" --nodes 2 -- sh -c 'exit 3'
+rc=$?
+if [ "$rc" -ne 3 ]; then
+  echo "FAIL: a failing command's status is not passed on: expected 3, got $rc"
+  exit 1
+fi
+if [ "$(leftovers)" != "$before" ]; then
+  echo "FAIL: namespaces or interfaces left after a failing command"
+  exit 1
+fi
+"$cluster" --nodes 0 -- true 2>/dev/null
+if [ $? -ne 2 ]; then
+  echo "FAIL: --nodes 0 is not refused"
+  exit 1
+fi
+echo "emulated cluster: run, failing command and teardown OK"
