@@ -89,6 +89,9 @@ class ProgressEngine {
   // meanwhile the progress thread sleeps instead of competing for the core.
   void add_driver();
   void remove_driver();
+  // Steps advanced so far (a waiting caller's backoff resets when this moves).
+  uint64_t steps_completed() const { return completed_.load(); }
+  static constexpr std::chrono::microseconds max_backoff() { return kMaxBackoff; }
 
   // Scratch buffers for operations; used only by the token holder.
   ScratchPool& scratch() { return scratch_; }
