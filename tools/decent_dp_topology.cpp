@@ -100,6 +100,9 @@ int main(int argc, char** argv) {
   app.add_option("--shared-efficiency", in.shared_efficiency,
                  "plan: share of a NIC that several flows across get together")
       ->check(CLI::Range(0.01, 1.0));
+  bool fifo = false;
+  app.add_flag("--fifo-exchanges", fifo,
+               "plan: a step's exchanges finish one after another instead of together");
   app.add_option("--latency-us", in.latency_us, "plan: microseconds per ring step")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--steps", in.steps, "plan: simulated steps (0: four periods, at least 32)")
@@ -122,6 +125,7 @@ int main(int argc, char** argv) {
       in.intra_bw = intra_mbs * 1e6;
       in.inter_bw = inter_mbs * 1e6;
       in.flow_bw = flow_mbs * 1e6;
+      in.shared_exchanges = !fifo;
       if (buckets_mb.empty()) {
         in.bucket_bytes = buckets_of(params, dtype_bytes, bucket_mb);
       } else {

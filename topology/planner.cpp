@@ -197,6 +197,16 @@ Prediction predict_gossip(const Topology& topology, const PlanInputs& in) {
         comm += ms * g.size();
       }
     }
+    if (in.shared_exchanges) {
+      // The step's exchanges are in flight together and share the links: each finishes
+      // about when the last one does (the same total work as one after another).
+      for (int r = 0; r < n; ++r) {
+        const double last = done[static_cast<size_t>(r) * nb + nb - 1];
+        for (size_t b = 0; b < nb; ++b) {
+          done[static_cast<size_t>(r) * nb + b] = last;
+        }
+      }
+    }
   }
   Prediction p;
   p.name = topology.name();

@@ -9,15 +9,17 @@
 //     the buckets' gradients become ready in turn (bucket b after its share of the backward,
 //     proportional to its bytes), plus a uniform extra of up to jitter_ms per rank and step
 //     at the start of the forward (from a (rank, step) seed).
-//   - Communication: each rank's exchanges run one after another in launch order (the
-//     communicator's progress thread), and an exchange of a group starts when every member
-//     has launched it and has finished its previous one. A group of k runs a ring all-reduce
+//   - Communication: an exchange of a group starts when every member has launched it and
+//     has finished its previous one's share of the link; the exchanges one rank launches in
+//     a step are all in flight together (the MPI backend progresses every operation at
+//     once), so they share the links and each finishes about when the last one does
+//     (shared_exchanges; false: one after another). A group of k runs a ring all-reduce
 //     (topology/traffic.h): 2 (k - 1) steps, each moving block / k over every ring edge at the
 //     edge's rate plus latency_us; an edge inside a node runs at intra_bw, an edge across
 //     nodes at min(flow_bw, inter_bw) when it is its node's only flow across in that slot, and
 //     at min(flow_bw, shared_efficiency * inter_bw / flows) when `flows` ranks of the node
-//     send across at once (they share the NIC; TCP flows sharing a shaped link were measured
-//     to get 81-88% of it together, benchmarks/emulate/calibrate).
+//     send across at once (they share the NIC; two TCP flows sharing a shaped link got 61-100%
+//     of one flow's rate together, varying from run to run: benchmarks/emulate/calibrate).
 //   - Gossip (DecentralizedDataParallel): when bucket b is ready at step t, the rank waits for
 //     bucket b's exchange of step t - 1, spends optimizer_ms * share_b on the update and
 //     launches the exchange of step t on slot t mod P (one step of look-ahead).
@@ -47,6 +49,10 @@ struct PlanInputs {
   double shared_efficiency = 1;  // (0, 1]: the NIC's share that several flows get together
   double latency_us = 0;         // per ring step
   int steps = 0;                 // simulated steps after the warm-up (0: 4 periods, >= 32)
+  // Gossip: the exchanges of one step are in flight together and share the links, so each
+  // finishes when the last one does (the MPI backend progresses every operation at once);
+  // false: one after another, each done as soon as its own work is.
+  bool shared_exchanges = true;
 
   // Throws InvalidArgument naming the first field out of range.
   void validate() const;

@@ -509,6 +509,23 @@ TEST_CASE("planner: hand-computed step times", "[topology][planner]") {
     CHECK(predict_allreduce(4, 4, in).step_ms == Approx(103.0));
     CHECK(buckets_of(10, 4, 16.0 / 1048576.0) == std::vector<double>{16, 16, 8});
   }
+  SECTION("a step's exchanges sharing the links finish together") {
+    // ring on 2 nodes of 2, two buckets of 2 MB: across, each bucket's pair exchange takes
+    // 2 x 1 MB / 50 MB/s = 40 ms. One after another the first is done 40 ms after its
+    // launch; sharing the link both are done 80 ms after the first launch, so the next
+    // step's first update waits longer. With one bucket the two models agree.
+    in.compute_ms = 50;
+    in.bucket_bytes = {2e6, 2e6};
+    auto t = make_topology("ring", 4, 2);
+    const double shared = predict_gossip(*t, in).step_ms;
+    in.shared_exchanges = false;
+    const double fifo = predict_gossip(*t, in).step_ms;
+    CHECK(shared > fifo);
+    in.bucket_bytes = {4e6};
+    const double one_fifo = predict_gossip(*t, in).step_ms;
+    in.shared_exchanges = true;
+    CHECK(predict_gossip(*t, in).step_ms == Approx(one_fifo));
+  }
   SECTION("bad inputs are named") {
     in.compute_ms = 10;
     in.inter_bw = 0;
