@@ -641,7 +641,11 @@ TEST_CASE("a median aggregator and a float16 codec match the simulator", "[ddp][
         sim.set_payload_dtype(at::kHalf);
       for (int step = 0; step < 12; ++step)
         sim.step(mlp_loss, step);
-      check_matches(*net, sim.model(rank), 1e-5);
+      // Through float16 a float32 difference of one rounding (the mean's summation order
+      // differs from the simulator's) can move a value across a float16 rounding boundary:
+      // a jump of one float16 step in that element (measured: 4e-5 of the norm at 6 ranks
+      // after 12 steps). Without float16 the results agree to float32 rounding.
+      check_matches(*net, sim.model(rank), half ? 2e-4 : 1e-5);
       if (half && n > 1) {
         CHECK(codec->encoded > 0);
         CHECK(codec->decoded > 0);
