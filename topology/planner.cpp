@@ -109,6 +109,8 @@ void PlanInputs::validate() const {
     bad("flow_bw (bytes/s)", flow_bw, ">= 0 (0: no cap)");
   if (!(latency_us >= 0) || !std::isfinite(latency_us))
     bad("latency_us", latency_us, ">= 0");
+  if (!(shared_efficiency > 0 && shared_efficiency <= 1))
+    bad("shared_efficiency", shared_efficiency, "in (0, 1]");
   if (steps < 0)
     bad("steps", steps, ">= 0 (0: four periods)");
 }
@@ -123,14 +125,17 @@ std::vector<double> buckets_of(double params, int dtype_bytes, double cap_mb) {
   if (!(cap_mb > 0)) {
     throw InvalidArgument(fmt::format("plan: bucket cap (MiB) must be > 0, got {}", cap_mb));
   }
-  double left = params * dtype_bytes;
+  const double total = params * dtype_bytes;
   const double cap = cap_mb * 1048576.0;
-  std::vector<double> out;
-  while (left > cap && out.size() < 100000) {
-    out.push_back(cap);
-    left -= cap;
+  const double full = std::ceil(total / cap) - 1;  // buckets before the last
+  if (full >= kMaxPlanBuckets) {
+    throw InvalidArgument(fmt::format(
+        "plan: {} parameters of {} bytes in buckets of {} MiB make more than {} buckets; "
+        "use a larger bucket cap",
+        params, dtype_bytes, cap_mb, kMaxPlanBuckets));
   }
-  out.push_back(left);
+  std::vector<double> out(static_cast<size_t>(full), cap);
+  out.push_back(total - full * cap);
   return out;
 }
 
@@ -141,7 +146,7 @@ Prediction predict_gossip(const Topology& topology, const PlanInputs& in) {
   const int period = topology.period();
   const Compute c = split(in);
   const size_t nb = in.bucket_bytes.size();
-  // Per slot and bucket: each group's exchange seconds; per slot, each rank's group.
+  // Per slot and bucket: each group's exchange, in ms.
   std::vector<std::vector<double>> group_ms(static_cast<size_t>(period) * nb);
   for (int s = 0; s < period; ++s) {
     const SlotTraffic traffic = slot_traffic(topology, s, 1.0);

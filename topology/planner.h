@@ -72,7 +72,9 @@ Prediction predict_gossip(const Topology& topology, const PlanInputs& in);
 Prediction predict_allreduce(int world_size, int local_world_size, const PlanInputs& in);
 
 // Buckets of a model of `params` parameters of `dtype_bytes` each under a bucket cap of
-// `cap_mb` MiB (the wrappers' bucket_cap_mb): full buckets, the last one the rest.
+// `cap_mb` MiB (the wrappers' bucket_cap_mb): full buckets, the last one the rest. More than
+// kMaxPlanBuckets is an InvalidArgument naming the three inputs.
+constexpr double kMaxPlanBuckets = 100000;
 std::vector<double> buckets_of(double params, int dtype_bytes, double cap_mb);
 
 }  // namespace topology

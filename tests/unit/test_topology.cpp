@@ -535,5 +535,11 @@ TEST_CASE("planner: hand-computed step times", "[topology][planner]") {
     in.bucket_bytes.clear();
     CHECK_THROWS_WITH(predict_allreduce(4, 2, in), Catch::Contains("bucket_bytes must list"));
     CHECK_THROWS_WITH(buckets_of(0, 4, 25), Catch::Contains("params must be >= 1"));
+    CHECK_THROWS_WITH(buckets_of(1e12, 4, 1e-3), Catch::Contains("use a larger bucket cap"));
+    CHECK(buckets_of(8, 4, 16.0 / 1048576.0) == std::vector<double>{16, 16});  // exact fit
+    in.bucket_bytes = {1e6};
+    in.shared_efficiency = 0;
+    CHECK_THROWS_WITH(predict_allreduce(4, 2, in),
+                      Catch::Contains("shared_efficiency must be in (0, 1]"));
   }
 }
