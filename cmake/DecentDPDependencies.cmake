@@ -56,21 +56,30 @@ if(NOT Torch_FOUND)
 endif()
 message(STATUS "decent_dp: LibTorch ${Torch_VERSION} from ${Torch_DIR}")
 
-# NCCL (used by the NCCL backend).
+# NCCL (the backend of CUDA tensors, Note [NCCL backend]): >= 2.18 for ncclCommSplit, and a
+# CUDA build of LibTorch for its streams, events and caching allocator. AUTO builds it when
+# both are found; ON fails the configuration when either is missing.
 set(DECENT_DP_HAVE_NCCL OFF)
+set(DECENT_DP_NCCL_MIN_VERSION 2.18)
+if(NOT DECENT_DP_WITH_NCCL MATCHES "^(AUTO|ON|OFF)$")
+  message(FATAL_ERROR "DECENT_DP_WITH_NCCL must be AUTO, ON or OFF, got '${DECENT_DP_WITH_NCCL}'")
+endif()
 if(NOT DECENT_DP_WITH_NCCL STREQUAL "OFF")
-  find_path(NCCL_INCLUDE_DIR nccl.h HINTS /usr/local/cuda/include ENV NCCL_ROOT PATH_SUFFIXES include)
-  find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS /usr/local/cuda/lib64 ENV NCCL_ROOT
-               PATH_SUFFIXES lib lib64)
-  if(NCCL_INCLUDE_DIR AND NCCL_LIBRARY AND TARGET torch_cuda)
+  find_package(NCCL ${DECENT_DP_NCCL_MIN_VERSION})
+  if(NCCL_FOUND AND TARGET torch_cuda)
     set(DECENT_DP_HAVE_NCCL ON)
   elseif(DECENT_DP_WITH_NCCL STREQUAL "ON")
-    message(FATAL_ERROR "DECENT_DP_WITH_NCCL=ON but NCCL (nccl.h, libnccl) or a CUDA LibTorch "
-                        "was not found (NCCL_INCLUDE_DIR=${NCCL_INCLUDE_DIR}, "
-                        "NCCL_LIBRARY=${NCCL_LIBRARY})")
+    if(NOT TARGET torch_cuda)
+      set(_why "LibTorch ${Torch_VERSION} from ${Torch_DIR} is not a CUDA build")
+    else()
+      set(_why "NCCL >= ${DECENT_DP_NCCL_MIN_VERSION} was not found (NCCL_INCLUDE_DIR="
+               "${NCCL_INCLUDE_DIR}, NCCL_LIBRARY=${NCCL_LIBRARY}, version '${NCCL_VERSION}'; "
+               "set NCCL_ROOT)")
+    endif()
+    message(FATAL_ERROR "DECENT_DP_WITH_NCCL=ON, but ${_why}")
   endif()
 endif()
-message(STATUS "decent_dp: NCCL backend ${DECENT_DP_HAVE_NCCL}")
+message(STATUS "decent_dp: NCCL backend ${DECENT_DP_HAVE_NCCL} (NCCL ${NCCL_VERSION})")
 
 find_path(DECENT_DP_FMT_INCLUDE fmt/format.h)
 if(NOT DECENT_DP_FMT_INCLUDE)

@@ -16,6 +16,13 @@ foreach(_dir topology optim)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${_dir}/
     DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/decent_dp/${_dir} FILES_MATCHING PATTERN "*.h")
 endforeach()
+install(FILES ${PROJECT_BINARY_DIR}/include/decent_dp/config.h
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/decent_dp)
+# NCCL is a link dependency of the static core when the backend is built: consumers find it
+# with the same module.
+if(DECENT_DP_HAVE_NCCL)
+  install(FILES ${PROJECT_SOURCE_DIR}/cmake/FindNCCL.cmake DESTINATION ${DECENT_DP_CMAKE_DIR})
+endif()
 install(EXPORT DecentDPTargets NAMESPACE decent_dp:: DESTINATION ${DECENT_DP_CMAKE_DIR})
 
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/DecentDPConfig.cmake.in

@@ -1,12 +1,16 @@
 // Which communicator serves which tensors. Control traffic (model checks, bucket metadata)
 // runs on a CPU communicator; each bucket's data traffic on the communicator of its device:
-// MPI for CPU tensors; CUDA tensors need the NCCL backend (Backend::kNccl), which is chosen
-// here once it exists, and never named by the wrappers.
+// MPI for CPU tensors; for CUDA tensors NCCL (Backend::kNccl) when this build has it and
+// every rank has a GPU of its own, and otherwise the MPI communicator with host staging
+// (Note [host staging]). The choice is made here, collectively, never by the wrappers.
 #pragma once
 
 #include <c10/core/Device.h>
 
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "decent_dp/communicator.h"
 
@@ -17,8 +21,26 @@ namespace decent_dp {
 std::shared_ptr<Communicator> default_communicator();
 
 // The communicator for tensors on `device`: `control` itself when it supports the device.
-// Throws InvalidArgument naming the device and the backend it needs otherwise.
+// For CUDA devices, collective over `control` the first time per device (every rank must
+// call it): an NcclCommunicator when the build has NCCL and no two ranks of a host use the
+// same GPU, a HostStagedCommunicator over `control` otherwise; the same object is returned
+// while it is in use. Throws InvalidArgument naming the device for other device types.
 std::shared_ptr<Communicator> communicator_for_device(const c10::Device& device,
                                                       const std::shared_ptr<Communicator>& control);
 
+// The device a rank trains on by default: cuda:<local rank modulo the node's GPU count>
+// when this process sees a GPU, the CPU otherwise.
+c10::Device local_device(const Communicator& comm);
+
+// True when this build has the NCCL backend (decent_dp/config.h: DECENT_DP_HAVE_NCCL).
+bool has_nccl_backend();
+
+namespace detail {
+
+// "<host>#<device index>" of every rank, gathered over `control` (collective).
+std::vector<std::string> rank_devices(Communicator& control, int device_index);
+// The first two ranks whose entries are equal (they share a GPU), or (-1, -1).
+std::pair<int, int> first_shared_device(const std::vector<std::string>& rank_devices);
+
+}  // namespace detail
 }  // namespace decent_dp

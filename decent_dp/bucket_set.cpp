@@ -251,10 +251,24 @@ std::vector<size_t> BucketSet::sizes() const {
 
 void update_bucket(Bucket& bucket, const ParamBinding& binding, double grad_clip_norm) {
   if (grad_clip_norm > 0) {
-    const double norm = bucket.storage.grads.norm().item<double>();
-    const double coef = grad_clip_norm / (norm + 1e-6);
-    if (coef < 1.0) {
-      bucket.storage.grads.mul_(coef);
+    at::Tensor& grads = bucket.storage.grads;
+    if (grads.is_cpu()) {
+      const double norm = grads.norm().item<double>();
+      const double coef = grad_clip_norm / (norm + 1e-6);
+      if (coef < 1.0) {
+        grads.mul_(coef);
+      }
+    } else {
+      // On a GPU the coefficient stays on the device (no host sync per bucket): the same
+      // min(1, c / (norm + 1e-6)), computed in double as on the CPU; a factor of exactly 1
+      // leaves the gradients unchanged.
+      const at::Tensor coef = grads.norm()
+                                  .to(at::kDouble)
+                                  .add_(1e-6)
+                                  .reciprocal_()
+                                  .mul_(grad_clip_norm)
+                                  .clamp_max_(1.0);
+      grads.mul_(coef);
     }
   }
   bucket.optimizer->step();

@@ -1,0 +1,131 @@
+#include "decent_dp/staged_communicator.h"
+
+#include <exception>
+#include <utility>
+
+#include "decent_dp/errors.h"
+
+namespace decent_dp {
+
+namespace {
+
+// The inner operation on host buffers, then the copies back into the caller's tensors.
+class StagedWork final : public Work {
+ public:
+  StagedWork(std::shared_ptr<Work> inner, std::vector<std::pair<at::Tensor, at::Tensor>> back,
+             std::vector<at::Tensor> keep)
+      : Work(inner->description() + " (host-staged)", std::move(keep), inner->default_timeout()),
+        inner_(std::move(inner)),
+        back_(std::move(back)) {}
+
+  void synchronize() override { wait(); }
+
+ protected:
+  // Runs on the waiting thread: the inner wait, then the copies back on the current stream.
+  bool drive_progress() override {
+    if (is_completed()) {
+      return true;
+    }
+    std::exception_ptr error;
+    try {
+      inner_->wait();
+      for (auto& [host, target] : back_) {
+        target.copy_(host.view_as(target));
+      }
+    } catch (...) {
+      error = std::current_exception();
+    }
+    back_.clear();
+    finish(error);
+    return true;
+  }
+
+ private:
+  std::shared_ptr<Work> inner_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> back_;  // (host result, caller's tensor)
+};
+
+}  // namespace
+
+HostStagedCommunicator::HostStagedCommunicator(std::shared_ptr<Communicator> inner,
+                                               c10::DeviceType serves)
+    : inner_(std::move(inner)), serves_(serves) {
+  DECENT_DP_CHECK_ARG(inner_ != nullptr, "HostStagedCommunicator: inner must not be null");
+  DECENT_DP_CHECK_ARG(inner_->supports(c10::Device(c10::kCPU)),
+                      "HostStagedCommunicator: inner must take CPU tensors; the ",
+                      to_string(inner_->backend()), " communicator does not");
+}
+
+void HostStagedCommunicator::check(const at::Tensor& t, const char* who, const char* name) const {
+  DECENT_DP_CHECK_ARG(t.defined(), who, ": ", name, " must be defined");
+  DECENT_DP_CHECK_ARG(t.device().type() == serves_, who, ": ", name, " is on ", t.device().str(),
+                      "; this host-staged communicator takes ", c10::DeviceTypeName(serves_),
+                      " tensors");
+}
+
+at::Tensor HostStagedCommunicator::host_buffer(const at::Tensor& t, int64_t numel) {
+  return inner_->allocate(numel, t.options().device(c10::kCPU));
+}
+
+std::shared_ptr<Work> HostStagedCommunicator::allreduce(const at::Tensor& input,
+                                                        const at::Tensor& output,
+                                                        const AllreduceOptions& options) {
+  check(input, "allreduce", "input");
+  check(output, "allreduce", "output");
+  DECENT_DP_CHECK_ARG(
+      input.scalar_type() == output.scalar_type() && input.numel() == output.numel(),
+      "allreduce: output must match input (", input.numel(), " x ", input.scalar_type(), "), got ",
+      output.numel(), " x ", output.scalar_type());
+  at::Tensor host = host_buffer(input, input.numel());
+  host.copy_(input.reshape({-1}));  // waits for the caller's stream: the input is ready
+  auto inner = inner_->allreduce(host, host, options);
+  return std::make_shared<StagedWork>(
+      inner, std::vector<std::pair<at::Tensor, at::Tensor>>{{host, output}},
+      std::vector<at::Tensor>{input, output});
+}
+
+std::shared_ptr<Work> HostStagedCommunicator::broadcast(const at::Tensor& tensor, int root) {
+  check(tensor, "broadcast", "tensor");
+  at::Tensor host = host_buffer(tensor, tensor.numel());
+  host.copy_(tensor.reshape({-1}));
+  auto inner = inner_->broadcast(host, root);
+  return std::make_shared<StagedWork>(
+      inner, std::vector<std::pair<at::Tensor, at::Tensor>>{{host, tensor}},
+      std::vector<at::Tensor>{tensor});
+}
+
+std::shared_ptr<Work> HostStagedCommunicator::allgather(const at::Tensor& output,
+                                                        const at::Tensor& input,
+                                                        const AllgatherOptions& options) {
+  check(input, "allgather", "input");
+  check(output, "allgather", "output");
+  at::Tensor in = host_buffer(input, input.numel());
+  in.copy_(input.reshape({-1}));
+  at::Tensor out = host_buffer(output, output.numel());
+  auto inner = inner_->allgather(out, in, options);
+  return std::make_shared<StagedWork>(inner,
+                                      std::vector<std::pair<at::Tensor, at::Tensor>>{{out, output}},
+                                      std::vector<at::Tensor>{input, output, in});
+}
+
+std::shared_ptr<Work> HostStagedCommunicator::allgather_varying(const at::Tensor& output,
+                                                                const at::Tensor& input,
+                                                                const at::Tensor& lengths,
+                                                                const AllgatherOptions& options) {
+  check(input, "allgather_varying", "input");
+  check(output, "allgather_varying", "output");
+  DECENT_DP_CHECK_ARG(lengths.defined(), "allgather_varying: lengths must be defined");
+  at::Tensor in = host_buffer(input, input.numel());
+  in.copy_(input.reshape({-1}));
+  at::Tensor out = host_buffer(output, output.numel());
+  at::Tensor len = lengths.is_cpu() ? lengths : host_buffer(lengths, lengths.numel());
+  auto inner = inner_->allgather_varying(out, in, len, options);
+  std::vector<std::pair<at::Tensor, at::Tensor>> back{{out, output}};
+  if (!lengths.is_cpu()) {
+    back.emplace_back(len, lengths);
+  }
+  return std::make_shared<StagedWork>(inner, std::move(back),
+                                      std::vector<at::Tensor>{input, output, lengths, in});
+}
+
+}  // namespace decent_dp

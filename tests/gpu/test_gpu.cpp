@@ -1,0 +1,271 @@
+// The GPU path (run where a GPU exists; tests/gpu/gpu_test_main.cpp skips elsewhere):
+// - NCCL: all-reduce, groups, broadcast, all-gather and bad input, at every world size
+//   where each rank has a GPU of its own (world size 1 on one GPU);
+// - stream ordering: a result read on the caller's stream after synchronize() is right;
+// - both wrappers on CUDA parameters against the same training on the CPU, through NCCL or,
+//   when ranks share a GPU, through the MPI backend with host staging;
+// - the fused optimizers on CUDA against the CPU;
+// - bfloat16 and float16 parameters and buckets, end to end.
+#include "torch_catch.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/torch.h>
+
+#include "decent_dp/backend.h"
+#include "decent_dp/config.h"
+#include "decent_dp/decentralized_data_parallel.h"
+#include "decent_dp/distributed_data_parallel.h"
+#include "decent_dp/optim/factories.h"
+#include "decent_dp/staged_communicator.h"
+#include "decent_dp/topology/topology.h"
+#include "mpi/mpi_test_util.h"
+#if DECENT_DP_HAVE_NCCL
+#include "decent_dp/nccl_communicator.h"
+#endif
+
+using namespace decent_dp;
+using decent_dp::testing::comm;
+
+namespace {
+
+std::shared_ptr<Communicator> shared_comm() {
+  return std::shared_ptr<Communicator>(&comm(), [](Communicator*) {});
+}
+
+c10::Device my_device() {
+  return local_device(comm());
+}
+
+// True when every rank of this node has a GPU of its own.
+bool own_gpu_per_rank() {
+  return comm().local_size() <= static_cast<int>(torch::cuda::device_count());
+}
+
+at::Tensor input_of(int rank, int64_t n) {
+  return torch::arange(n, torch::kDouble).remainder(5).add(1).mul(rank + 1);
+}
+
+double max_rel(const at::Tensor& a, const at::Tensor& b) {
+  const auto x = a.detach().to(torch::kCPU, torch::kDouble);
+  const auto y = b.detach().to(torch::kCPU, torch::kDouble);
+  const double ref = y.norm().item<double>();
+  const double diff = (x - y).norm().item<double>();
+  return ref == 0 ? diff : diff / ref;
+}
+
+torch::nn::Sequential make_mlp() {
+  torch::manual_seed(11);
+  return torch::nn::Sequential(torch::nn::Linear(16, 64), torch::nn::ReLU(),
+                               torch::nn::Linear(64, 64), torch::nn::Tanh(),
+                               torch::nn::Linear(64, 4));
+}
+
+std::pair<at::Tensor, at::Tensor> batch_for(int rank, int step) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(977 * rank + step + 1);
+  return {at::randn({32, 16}, gen), at::randn({32, 4}, gen)};
+}
+
+DataParallelOptions small_buckets(const std::string& topology) {
+  DataParallelOptions o;
+  o.topology = topology;
+  o.bucket_cap_mb = 4096.0 / (1 << 20);  // several buckets
+  return o;
+}
+
+// Trains make_mlp() on `device` with either wrapper, as dtype, and returns it on the CPU.
+torch::nn::Sequential train_on(const c10::Device& device, bool gossip, at::ScalarType dtype,
+                               int steps, const optim::OptimFn& factory, double clip = 0.0) {
+  auto net = make_mlp();
+  net->to(device, dtype);
+  auto options = small_buckets(comm().size() % 2 == 0 ? "ring" : "complete");
+  options.grad_clip_norm = clip;
+  auto loop = [&](auto& model) {
+    for (int step = 0; step < steps; ++step) {
+      auto [x, y] = batch_for(comm().rank(), step);
+      auto out = model.forward(x.to(device, dtype));
+      torch::mse_loss(out.to(torch::kFloat), y.to(device)).backward();
+    }
+    model.synchronize();
+  };
+  if (gossip) {
+    DecentralizedDataParallel<torch::nn::Sequential> model(net, options, factory, nullptr,
+                                                           shared_comm());
+    loop(model);
+  } else {
+    DistributedDataParallel<torch::nn::Sequential> model(net, options, factory, nullptr,
+                                                         shared_comm());
+    loop(model);
+  }
+  net->to(torch::kCPU, torch::kFloat);
+  return net;
+}
+
+}  // namespace
+
+#if DECENT_DP_HAVE_NCCL
+TEST_CASE("NCCL: all-reduce, groups, broadcast and all-gather", "[gpu][nccl]") {
+  if (!own_gpu_per_rank()) {
+    WARN("ranks share a GPU: NCCL needs one per rank, the NCCL checks are skipped");
+    return;
+  }
+  const int n = comm().size();
+  const int rank = comm().rank();
+  auto nccl = std::make_shared<NcclCommunicator>(shared_comm());
+  const c10::Device dev(c10::kCUDA, nccl->device_index());
+  CHECK(nccl->supports(dev));
+  CHECK_FALSE(nccl->supports(c10::Device(c10::kCPU)));
+  CHECK(NcclCommunicator::runtime_version() >= 21800);
+
+  for (auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16, torch::kHalf}) {
+    for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+      INFO("dtype " << dtype << " op " << to_string(op));
+      auto t = input_of(rank, 4099).to(dev, dtype);
+      nccl->allreduce(t, {}, op)->wait();
+      auto want = torch::zeros({4099}, torch::kDouble);
+      for (int r = 0; r < n; ++r)
+        want += input_of(r, 4099);
+      if (op == ReduceOp::kAvg)
+        want /= n;
+      CHECK(max_rel(t, want) <= (dtype == torch::kFloat || dtype == torch::kDouble ? 1e-6 : 1e-2));
+    }
+  }
+  // Groups: every distinct group of the ring (or complete) topology.
+  const auto topo = topology::make_topology(n % 2 == 0 ? "ring" : "complete", n, 1);
+  nccl->make_groups(topo->distinct_groups());
+  for (const auto& g : topo->distinct_groups()) {
+    if (!std::binary_search(g.begin(), g.end(), rank))
+      continue;
+    INFO("group " << ranks_to_string(g));
+    REQUIRE(nccl->has_group(g));
+    auto in = input_of(rank, 1000).to(dev, torch::kFloat);
+    auto out = torch::empty_like(in);
+    nccl->allreduce(in, out, g, ReduceOp::kAvg)->wait();
+    auto want = torch::zeros({1000}, torch::kDouble);
+    for (int r : g)
+      want += input_of(r, 1000);
+    CHECK(max_rel(out, want / static_cast<double>(g.size())) <= 1e-6);
+    auto gathered = torch::empty({static_cast<int64_t>(g.size()) * 10}, in.options());
+    nccl->allgather(gathered, in.slice(0, 0, 10).contiguous(), AllgatherOptions{g, {}, {}})->wait();
+    for (size_t m = 0; m < g.size(); ++m) {
+      CHECK(max_rel(gathered.slice(0, 10 * m, 10 * (m + 1)), input_of(g[m], 10)) == 0);
+    }
+  }
+  auto b = (rank == 0 ? input_of(9, 77) : torch::zeros({77}, torch::kDouble)).to(dev);
+  nccl->broadcast(b, 0)->wait();
+  CHECK(max_rel(b, input_of(9, 77)) == 0);
+  nccl->barrier();
+
+  // Bad input is named.
+  CHECK_THROWS_WITH(nccl->allreduce(torch::zeros({4}), {}, ReduceOp::kSum),
+                    Catch::Contains("takes tensors on cuda:" + std::to_string(dev.index())));
+  CHECK_THROWS_WITH(nccl->allreduce(torch::zeros({4}, dev).to(torch::kBool), {}, ReduceOp::kSum),
+                    Catch::Contains("the NCCL backend takes float32"));
+  if (n >= 3) {
+    std::vector<int> odd = {0, n - 1};
+    if (std::binary_search(odd.begin(), odd.end(), rank) && !nccl->has_group(odd)) {
+      CHECK_THROWS_WITH(nccl->allreduce(torch::zeros({4}, dev), odd, ReduceOp::kSum),
+                        Catch::Contains("was not created by make_groups"));
+    }
+  }
+  CHECK(nccl->stats().allreduces >= (n > 1 ? 8u : 8u));
+}
+
+TEST_CASE("stream ordering: a result read on the caller's stream after synchronize()",
+          "[gpu][nccl]") {
+  if (!own_gpu_per_rank()) {
+    WARN("ranks share a GPU: skipped");
+    return;
+  }
+  const int n = comm().size();
+  auto nccl = std::make_shared<NcclCommunicator>(shared_comm());
+  const c10::Device dev(c10::kCUDA, nccl->device_index());
+  auto side = c10::cuda::getStreamFromPool(false, dev.index());
+  c10::cuda::CUDAStreamGuard guard(side);
+  // A long chain of kernels on the side stream produces the input, so the all-reduce would
+  // read stale data if the communication stream did not wait for it.
+  auto a = torch::randn({2048, 2048}, dev) / 64;
+  for (int i = 0; i < 20; ++i)
+    a = torch::tanh(a.mm(a));
+  const int64_t len = 1 << 20;
+  auto t = torch::full({len}, comm().rank() + 1.0, dev).add_(a.sum().mul(0));
+  auto work = nccl->allreduce(t, {}, ReduceOp::kSum);
+  work->synchronize();  // the side stream waits; the host does not
+  t.mul_(2);            // queued on the side stream after the all-reduce
+  const double want = 2.0 * n * (n + 1) / 2.0 * static_cast<double>(len);
+  CHECK(t.sum(torch::kDouble).item<double>() == want);
+  work->wait();
+  CHECK(work->is_completed());
+}
+#endif
+
+TEST_CASE("both wrappers on CUDA parameters match the CPU run", "[gpu][ddp]") {
+  const c10::Device dev = my_device();
+  REQUIRE(dev.is_cuda());
+  auto data = communicator_for_device(dev, shared_comm());
+  INFO("rank " << comm().rank() << " on " << dev.str() << ", backend "
+               << (dynamic_cast<HostStagedCommunicator*>(data.get()) ? "MPI with host staging"
+                                                                     : "NCCL"));
+  for (bool gossip : {true, false}) {
+    for (const auto& [name, factory] : std::vector<std::pair<std::string, optim::OptimFn>>{
+             {"adamw", optim::adamw()},
+             {"sgd", optim::sgd()},
+             {"accum_adamw", optim::accum_adamw()}}) {
+      INFO((gossip ? "gossip " : "all-reduce ") << name);
+      auto cpu = train_on(c10::Device(c10::kCPU), gossip, torch::kFloat, 12, factory);
+      auto gpu = train_on(dev, gossip, torch::kFloat, 12, factory);
+      auto p = cpu->parameters();
+      auto q = gpu->parameters();
+      for (size_t k = 0; k < p.size(); ++k)
+        CHECK(max_rel(q[k], p[k]) <= 1e-4);
+    }
+  }
+  // Clipping on the GPU keeps its coefficient on the device, with the CPU's formula.
+  auto cpu = train_on(c10::Device(c10::kCPU), false, torch::kFloat, 6, optim::adamw(), 0.05);
+  auto gpu = train_on(dev, false, torch::kFloat, 6, optim::adamw(), 0.05);
+  for (size_t k = 0; k < cpu->parameters().size(); ++k)
+    CHECK(max_rel(gpu->parameters()[k], cpu->parameters()[k]) <= 1e-4);
+}
+
+TEST_CASE("the fused optimizers on CUDA match the CPU", "[gpu][optim]") {
+  const c10::Device dev = my_device();
+  for (const auto& [name, factory] :
+       std::vector<std::pair<std::string, optim::OptimFn>>{{"adam", optim::adam()},
+                                                           {"adamw", optim::adamw()},
+                                                           {"accum_adam", optim::accum_adam()},
+                                                           {"accum_adamw", optim::accum_adamw()},
+                                                           {"sgd", optim::sgd()}}) {
+    INFO(name);
+    auto init = torch::randn({100003}, torch::TensorOptions().dtype(torch::kFloat));
+    auto p_cpu = init.clone();
+    auto p_gpu = init.to(dev);
+    auto o_cpu = factory({{"flat.weight", p_cpu}});
+    auto o_gpu = factory({{"flat.weight", p_gpu}});
+    for (int step = 0; step < 25; ++step) {
+      auto g = torch::randn({100003}, at::make_generator<at::CPUGeneratorImpl>(step + 1));
+      p_cpu.mutable_grad() = g.clone();
+      p_gpu.mutable_grad() = g.to(dev);
+      o_cpu->step();
+      o_gpu->step();
+    }
+    CHECK(max_rel(p_gpu, p_cpu) <= 1e-5);
+  }
+}
+
+TEST_CASE("bfloat16 and float16 parameters train end to end on the GPU", "[gpu][amp]") {
+  const c10::Device dev = my_device();
+  for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    for (bool gossip : {true, false}) {
+      INFO(dtype << (gossip ? " gossip" : " all-reduce"));
+      auto ref = train_on(c10::Device(c10::kCPU), gossip, torch::kFloat, 10, optim::adamw());
+      auto low = train_on(dev, gossip, dtype, 10, optim::adamw());
+      for (const auto& p : low->parameters())
+        CHECK(torch::isfinite(p).all().item<bool>());
+      // Within the low precision's rounding of the float run.
+      auto p = ref->parameters();
+      auto q = low->parameters();
+      for (size_t k = 0; k < p.size(); ++k)
+        CHECK(max_rel(q[k], p[k]) <= 5e-2);
+    }
+  }
+}
