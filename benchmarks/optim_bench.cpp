@@ -4,7 +4,10 @@
 // per-parameter loops, with the memory bandwidth each achieves next to that of a plain
 // large-tensor copy measured in the same run.
 //
-//   build/bin/optim_bench [--iters 20] [--threads 1] [--json out.json]
+//   build/bin/optim_bench [--iters 20] [--threads 1] [--device cpu|cuda] [--json out.json]
+//
+// --device cuda runs every case on the GPU (the fused ATen kernels; the copy baseline is then
+// the device's copy bandwidth), synchronizing the device around each timed step.
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -24,6 +27,14 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Where the benchmark runs (--device).
+c10::Device g_device(c10::kCPU);
+
+void sync_device() {
+  if (g_device.is_cuda())
+    torch::cuda::synchronize(g_device.index());
+}
 
 // The parameter shapes of torchvision's ResNet-50.
 std::vector<std::vector<int64_t>> resnet50_shapes() {
@@ -78,8 +89,8 @@ ParamSet make_set(const std::vector<std::vector<int64_t>>& shapes, bool flat) {
   }
   torch::NoGradGuard no_grad;
   if (flat) {
-    set.param_block = torch::randn({total}) * 0.01;
-    set.grad_block = torch::randn({total}) * 0.01;
+    set.param_block = torch::randn({total}, g_device) * 0.01;
+    set.grad_block = torch::randn({total}, g_device) * 0.01;
   }
   for (size_t i = 0; i < shapes.size(); ++i) {
     at::Tensor p;
@@ -87,13 +98,13 @@ ParamSet make_set(const std::vector<std::vector<int64_t>>& shapes, bool flat) {
       int64_t n = 1;
       for (auto d : shapes[i])
         n *= d;
-      p = torch::empty({0});
+      p = torch::empty({0}, g_device);
       p.set_data(set.param_block.narrow(0, offsets[i], n).view(shapes[i]));
       p.requires_grad_(true);
       p.mutable_grad() = set.grad_block.narrow(0, offsets[i], n).view(shapes[i]);
     } else {
-      p = (torch::randn(shapes[i]) * 0.01).requires_grad_(true);
-      p.mutable_grad() = torch::randn(shapes[i]) * 0.01;
+      p = (torch::randn(shapes[i], g_device) * 0.01).requires_grad_(true);
+      p.mutable_grad() = torch::randn(shapes[i], g_device) * 0.01;
     }
     set.params.push_back(p);
   }
@@ -111,8 +122,10 @@ double time_ms(F&& f, int iters) {
   f();
   std::vector<double> ms;
   for (int i = 0; i < iters; ++i) {
+    sync_device();
     const auto t0 = Clock::now();
     f();
+    sync_device();
     ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
   }
   return median(ms);
@@ -128,7 +141,17 @@ int main(int argc, char** argv) {
   app.add_option("-n,--iters", iters, "timed steps per case")->check(CLI::PositiveNumber);
   app.add_option("-t,--threads", threads, "intra-op threads")->check(CLI::PositiveNumber);
   app.add_option("-J,--json", json_path, "also write the results as JSON");
+  std::string device_name = "cpu";
+  app.add_option("--device", device_name, "cpu, or cuda (the first GPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   CLI11_PARSE(app, argc, argv);
+  if (device_name == "cuda") {
+    if (!torch::cuda::is_available()) {
+      std::fprintf(stderr, "error: --device cuda: this process sees no CUDA device\n");
+      return 2;
+    }
+    g_device = c10::Device(c10::kCUDA, 0);
+  }
   if (const std::string bad = decent_dp::bench::check_writable(json_path, "-J/--json");
       !bad.empty()) {
     std::fprintf(stderr, "error: %s\n", bad.c_str());
@@ -145,12 +168,13 @@ int main(int argc, char** argv) {
     numel += n;
   }
   fmt::print(
-      "# optim_bench: {} parameters in {} tensors, float32, {} thread(s), median of {} steps\n",
-      numel, shapes.size(), threads, iters);
+      "# optim_bench: {} parameters in {} tensors, float32, on {}, {} thread(s), median of {} "
+      "steps\n",
+      numel, shapes.size(), g_device.str(), threads, iters);
 
   // Memory-bandwidth baseline: copy a tensor as large as the parameters (read + write).
-  auto src = torch::randn({numel});
-  auto dst = torch::empty({numel});
+  auto src = torch::randn({numel}, g_device);
+  auto dst = torch::empty({numel}, g_device);
   const double copy_ms = time_ms([&] { dst.copy_(src); }, iters);
   const double copy_gbps = 2.0 * 4 * numel / copy_ms / 1e6;
   fmt::print("{:<34} {:>9.2f} ms  {:>7.2f} GB/s\n", "copy (baseline)", copy_ms, copy_gbps);
@@ -231,6 +255,7 @@ int main(int argc, char** argv) {
                                                           nlohmann::json{{"numel", numel},
                                                                          {"tensors", shapes.size()},
                                                                          {"threads", threads},
+                                                                         {"device", g_device.str()},
                                                                          {"copy_GBps", copy_gbps},
                                                                          {"rows", rows}},
                                                           "-J/--json")) {

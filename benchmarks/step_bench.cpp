@@ -19,6 +19,11 @@
 // runs N untimed steps at the start of each round and leaves the round's final drain
 // (synchronize()) out of the time: the steady-state period, what the emulated sweeps report.
 //
+// --device cuda trains on each rank's GPU (decent_dp::local_device: the local rank modulo
+// the node's GPUs), the wrappers exchanging through NCCL, or the MPI backend with host
+// staging where ranks share a GPU; every timed interval ends with a device synchronize. At
+// one rank this measures the wrappers' own overhead against plain training (local).
+//
 // Every rank trains at the same time in every case, so the machine is equally loaded; the
 // time of a case in one round is the slowest rank's mean over the timed steps. Rounds run
 // every case in turn; the ratio to local training is the median over rounds of the ratio
@@ -201,6 +206,9 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--lws", lws, "ranks per node for the topologies (0: found through MPI)")
       ->check(CLI::NonNegativeNumber);
+  std::string device_name = "cpu";
+  app.add_option("--device", device_name, "cpu, or cuda (the local rank's GPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   bool no_local_barrier = false, no_ddp = false;
   app.add_flag("--no-local-barrier", no_local_barrier, "skip the local + barrier case");
   app.add_flag("--no-ddp", no_ddp, "skip the DistributedDataParallel case");
@@ -214,6 +222,17 @@ int main(int argc, char** argv) {
 
   auto comm = decent_dp::default_communicator();
   const int rank = comm->rank(), n = comm->size();
+  const c10::Device device =
+      device_name == "cuda" ? decent_dp::local_device(*comm) : c10::Device(c10::kCPU);
+  if (device_name == "cuda" && !device.is_cuda()) {
+    if (rank == 0)
+      std::fprintf(stderr, "error: --device cuda: this process sees no CUDA device\n");
+    return 2;
+  }
+  auto sync_device = [device] {
+    if (device.is_cuda())
+      torch::cuda::synchronize(device.index());
+  };
   const bool sleep_model = model_name == "sleep";
   const bool common = model_name != "conv" && model_name != "mlp" && !sleep_model;
   auto cost = std::make_shared<SleepCost>();
@@ -242,21 +261,27 @@ int main(int argc, char** argv) {
     torch::manual_seed(0);
     return decent_dp::examples::make_model(model_name, channels, 10, image_size);
   };
+  auto make_on_device = [&] {
+    auto net = make();
+    net->to(device);
+    return net;
+  };
   auto gen = at::make_generator<at::CPUGeneratorImpl>(rank + 1);
   const int64_t c = common ? channels : 3, side = common ? image_size : 32;  // conv: 3x32x32
-  const auto x = model_name == "mlp" ? at::randn({batch, 1024}, gen)
-                 : sleep_model       ? at::randn({batch, 10}, gen)
-                                     : at::randn({batch, c, side, side}, gen);
-  const auto y = at::randint(0, 10, {batch}, gen);
+  const auto x = (model_name == "mlp" ? at::randn({batch, 1024}, gen)
+                  : sleep_model       ? at::randn({batch, 10}, gen)
+                                      : at::randn({batch, c, side, side}, gen))
+                     .to(device);
+  const auto y = at::randint(0, 10, {batch}, gen).to(device);
   auto optim_fn = sleep_model ? decent_dp::optim::sgd() : decent_dp::optim::adamw();
   {
     auto probe = make();
     if (rank == 0) {
       fmt::print(
           "# step_bench: {} ({} parameters), {} ranks, batch {} per rank, {} thread(s) per "
-          "rank, {}, {} rounds of {} steps per case after {} warm-up steps\n",
+          "rank, {}, {} rounds of {} steps per case after {} warm-up steps, on {}\n",
           model_name, count(*probe), n, batch, threads, sleep_model ? "SGD" : "AdamW", rounds,
-          steps, warmup);
+          steps, warmup, device.str());
       if (sleep_model)
         fmt::print("# sleep model: {} layers, {} ms compute per step (+ up to {} ms jitter)\n",
                    layers, compute_ms, jitter_ms);
@@ -278,7 +303,7 @@ int main(int argc, char** argv) {
   std::vector<Case> cases;
   std::vector<std::shared_ptr<void>> keep;  // models, optimizers and wrappers of the cases
   auto local_case = [&](bool barrier) {
-    auto net = make();
+    auto net = make_on_device();
     decent_dp::optim::NamedParams named;
     for (const auto& p : net->named_parameters())
       named.emplace_back(p.key(), p.value());
@@ -305,7 +330,7 @@ int main(int argc, char** argv) {
     decent_dp::DataParallelOptions options;
     options.bucket_cap_mb = bucket_mb;
     auto model = std::make_shared<decent_dp::DistributedDataParallel<torch::nn::Sequential>>(
-        make(), options, optim_fn, nullptr, comm);
+        make_on_device(), options, optim_fn, nullptr, comm);
     keep.push_back(model);
     cases.push_back(
         {"DistributedDataParallel (all-reduce)",
@@ -321,7 +346,7 @@ int main(int argc, char** argv) {
     std::shared_ptr<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>> model;
     try {
       model = std::make_shared<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>>(
-          make(), options, optim_fn, nullptr, comm);
+          make_on_device(), options, optim_fn, nullptr, comm);
     } catch (const decent_dp::InvalidArgument& e) {
       if (rank == 0)
         fmt::print("# skipping {}: {}\n", t, e.what());
@@ -338,6 +363,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < warmup; ++i)
       c.step();
     c.finish();
+    sync_device();
   }
   for (int r = 0; r < rounds; ++r) {
     // Each round starts at another case, so no case always follows the same one.
@@ -350,6 +376,7 @@ int main(int argc, char** argv) {
       // exactly `steps` periods of the steady state.
       for (int i = 0; i < round_warmup; ++i)
         c.step();
+      sync_device();
       const double process0 = cpu_ms(CLOCK_PROCESS_CPUTIME_ID);
       const double thread0 = cpu_ms(CLOCK_THREAD_CPUTIME_ID);
       const auto t0 = Clock::now();
@@ -357,9 +384,12 @@ int main(int argc, char** argv) {
         c.step();
       if (round_warmup == 0)
         c.finish();
+      sync_device();
       const double elapsed = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-      if (round_warmup > 0)
+      if (round_warmup > 0) {
         c.finish();
+        sync_device();
+      }
       c.ms.push_back(slowest(elapsed / steps));
       const double other = (cpu_ms(CLOCK_PROCESS_CPUTIME_ID) - process0) -
                            (cpu_ms(CLOCK_THREAD_CPUTIME_ID) - thread0);
@@ -407,6 +437,7 @@ int main(int argc, char** argv) {
                                                    {"ranks", n},
                                                    {"batch", batch},
                                                    {"threads", threads},
+                                                   {"device", device.str()},
                                                    {"rows", rows}},
                                     "-J/--json")) {
     return 1;

@@ -6,6 +6,12 @@
 //
 //   mpirun -n 4 --oversubscribe --bind-to none build/bin/resnet_cifar --model cnn --epochs 2
 //   mpirun -n 4 ... build/bin/resnet_cifar --config run.json --topology ring
+//   mpirun -n 4 ... build/bin/resnet_cifar --device cuda --amp bf16 --model resnet18
+//
+// --device cuda trains each rank on its GPU (decent_dp::local_device: the local rank modulo
+// the node's GPUs); the wrappers then exchange through NCCL, or through MPI with host
+// staging where ranks share a GPU. --amp bf16 runs forward and loss under autocast with
+// bfloat16 (on the CPU too): parameters, gradients, buckets and optimizer stay float32.
 //
 // Every flag can also come from a JSON object (--config): keys are the flags' long names
 // ("batch", "data-dir", ...); flags on the command line override it.
@@ -13,6 +19,7 @@
 #include <mpi.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/torch.h>
@@ -55,6 +62,8 @@ struct Config {
   int64_t test_subset = 0;
   std::string model = "cnn";
   std::string mode = "decentralized";  // decentralized | allreduce | local
+  std::string device = "cpu";          // cpu | cuda (the local rank's GPU)
+  std::string amp = "off";             // off | bf16 (autocast of forward and loss)
   std::string topology = "complete";
   int lws = 0;
   double bucket_cap_mb = 25;
@@ -146,6 +155,10 @@ void bind(CLI::App& app, Config& c, std::string& config_path) {
   app.add_option("--test-subset", c.test_subset, "test on the first N images (0: all)")
       ->check(kNonNegative);
   app.add_option("--model", c.model, "model")->check(CLI::IsMember(ex::model_names()));
+  app.add_option("--device", c.device, "cpu, or cuda (each rank on its local GPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--amp", c.amp, "off, or bf16 (autocast of forward and loss to bfloat16)")
+      ->check(CLI::IsMember({"off", "bf16"}));
   app.add_option("--mode", c.mode, "decentralized (gossip), allreduce or local")
       ->check(CLI::IsMember({"decentralized", "allreduce", "local"}));
   app.add_option("--topology", c.topology, "gossip topology (complete, ring, exp, aer, ...)");
@@ -237,6 +250,8 @@ nlohmann::json to_json(const Config& c) {
           {"test-subset", c.test_subset},
           {"model", c.model},
           {"mode", c.mode},
+          {"device", c.device},
+          {"amp", c.amp},
           {"topology", c.topology},
           {"lws", c.lws},
           {"bucket-cap-mb", c.bucket_cap_mb},
@@ -371,8 +386,13 @@ decent_dp::optim::LrSchedulerFn make_schedule(const Config& c, int64_t steps_per
 // afterwards.
 class StateAverager {
  public:
+  // `comm` is the control (CPU) communicator; the model's tensors travel on the
+  // communicator of their device.
   StateAverager(Model m, std::shared_ptr<decent_dp::Communicator> comm, bool parameters)
-      : m_(std::move(m)), comm_(std::move(comm)), parameters_(parameters) {
+      : m_(std::move(m)),
+        comm_(std::move(comm)),
+        data_(decent_dp::communicator_for_device(m_->parameters().front().device(), comm_)),
+        parameters_(parameters) {
     for (int r = 0; r < comm_->size(); ++r)
       all_.push_back(r);
   }
@@ -391,7 +411,7 @@ class StateAverager {
     for (auto& t : state()) {
       backup_.push_back(t.clone());
       if (t.is_floating_point())
-        comm_->allreduce(t, all_, decent_dp::ReduceOp::kAvg)->wait();
+        data_->allreduce(t, all_, decent_dp::ReduceOp::kAvg)->wait();
     }
   }
   void restore() {
@@ -407,7 +427,7 @@ class StateAverager {
     double d2 = 0;
     for (const auto& p : m_->parameters()) {
       auto mean = p.detach().clone();
-      comm_->allreduce(mean, all_, decent_dp::ReduceOp::kAvg)->wait();
+      data_->allreduce(mean, all_, decent_dp::ReduceOp::kAvg)->wait();
       d2 += (p.detach().to(torch::kDouble) - mean.to(torch::kDouble)).pow(2).sum().item<double>();
     }
     auto total = torch::full({1}, d2, torch::kDouble);
@@ -415,10 +435,12 @@ class StateAverager {
     return total.item<double>();
   }
   decent_dp::Communicator& comm() { return *comm_; }
+  decent_dp::Communicator& data() { return *data_; }
 
  private:
   Model m_;
   std::shared_ptr<decent_dp::Communicator> comm_;
+  std::shared_ptr<decent_dp::Communicator> data_;
   bool parameters_;
   std::vector<int> all_;
   std::vector<torch::Tensor> backup_;
@@ -514,7 +536,7 @@ class LocalRunner final : public Runner {
     // Same initial model everywhere, as the wrappers do.
     torch::NoGradGuard no_grad;
     for (auto& t : avg_.state())
-      avg_.comm().broadcast(t, 0)->wait();
+      avg_.data().broadcast(t, 0)->wait();
   }
   torch::Tensor forward(const torch::Tensor& x) override { return m_->forward(x); }
   void after_backward() override {
@@ -600,9 +622,39 @@ void sum_all(decent_dp::Communicator& comm, std::vector<double>& values) {
 
 // Correct predictions and count on this rank's part of the test set (samples rank, rank + n,
 // ...), with the runner in eval mode.
+// Autocast of forward and loss on `device` to bfloat16 while alive, when `on`.
+class AmpScope {
+ public:
+  AmpScope(const c10::Device& device, bool on) : type_(device.type()), on_(on) {
+    if (!on_)
+      return;
+    was_enabled_ = at::autocast::is_autocast_enabled(type_);
+    was_dtype_ = at::autocast::get_autocast_dtype(type_);
+    at::autocast::set_autocast_dtype(type_, at::kBFloat16);
+    at::autocast::set_autocast_enabled(type_, true);
+    at::autocast::increment_nesting();
+  }
+  ~AmpScope() {
+    if (!on_)
+      return;
+    if (at::autocast::decrement_nesting() == 0)
+      at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(type_, was_enabled_);
+    at::autocast::set_autocast_dtype(type_, was_dtype_);
+  }
+  AmpScope(const AmpScope&) = delete;
+  AmpScope& operator=(const AmpScope&) = delete;
+
+ private:
+  c10::DeviceType type_;
+  bool on_;
+  bool was_enabled_ = false;
+  at::ScalarType was_dtype_ = at::kBFloat16;
+};
+
 std::pair<double, double> evaluate(Runner& runner, const ex::Dataset& test,
                                    const ex::Transform& transform, int rank, int world,
-                                   int64_t eval_batch) {
+                                   int64_t eval_batch, const c10::Device& device, bool amp) {
   torch::NoGradGuard no_grad;
   runner.train(false);
   double correct = 0, count = 0;
@@ -611,8 +663,9 @@ std::pair<double, double> evaluate(Runner& runner, const ex::Dataset& test,
     const int64_t end = std::min(test.size(), begin + eval_batch * world);
     auto idx = torch::arange(begin, end, world, torch::kLong);
     auto x = ex::apply_transform(test.images.index_select(0, idx), transform, gen);
-    auto y = test.labels.index_select(0, idx);
-    correct += runner.forward(x).argmax(1).eq(y).sum().item<double>();
+    auto y = test.labels.index_select(0, idx).to(device);
+    AmpScope scope(device, amp);
+    correct += runner.forward(x.to(device)).argmax(1).eq(y).sum().item<double>();
     count += static_cast<double>(idx.numel());
   }
   runner.train(true);
@@ -836,6 +889,13 @@ int run(const Config& cfg) {
   // ---- model and runner ----
   torch::manual_seed(static_cast<int64_t>(cfg.seed));
   Model net = ex::make_model(cfg.model, train.channels(), train.num_classes, train.image_size());
+  const c10::Device device =
+      cfg.device == "cuda" ? decent_dp::local_device(*comm) : c10::Device(c10::kCPU);
+  if (cfg.device == "cuda" && !device.is_cuda())
+    throw std::invalid_argument("--device cuda: rank " + std::to_string(rank) +
+                                " sees no CUDA device (expected cpu or a machine with a GPU)");
+  const bool amp = cfg.amp == "bf16";
+  net->to(device);
   decent_dp::DataParallelOptions options;
   options.topology = cfg.topology;
   options.bucket_cap_mb = cfg.bucket_cap_mb;
@@ -1001,8 +1061,14 @@ int run(const Config& cfg) {
     ex::Batch batch;
     int64_t step = 0;
     while (loader.next(batch)) {
-      auto out = runner->forward(batch.x);
-      auto loss = torch::nn::functional::cross_entropy(out, batch.y);
+      batch.x = batch.x.to(device);
+      batch.y = batch.y.to(device);
+      torch::Tensor out, loss;
+      {
+        AmpScope scope(device, amp);
+        out = runner->forward(batch.x);
+        loss = torch::nn::functional::cross_entropy(out, batch.y);
+      }
       loss.backward();
       runner->after_backward();
       ++step;
@@ -1053,13 +1119,15 @@ int run(const Config& cfg) {
       fmt::print("\n");
 
     // ---- evaluation ----
-    auto [local_c, local_n] = evaluate(*runner, test, test_tf, rank, world, cfg.eval_batch);
+    auto [local_c, local_n] =
+        evaluate(*runner, test, test_tf, rank, world, cfg.eval_batch, device, amp);
     const double consensus = runner->consensus_distance();
     const int64_t end_step = epoch * steps_per_epoch;
     if (rank == 0 && !(cfg.consensus_every > 0 && end_step % cfg.consensus_every == 0))
       consensus_csv << end_step << "," << fmt::format("{:.6e}", consensus) << "\n" << std::flush;
     runner->begin_average();
-    auto [avg_c, avg_n] = evaluate(*runner, test, test_tf, rank, world, cfg.eval_batch);
+    auto [avg_c, avg_n] =
+        evaluate(*runner, test, test_tf, rank, world, cfg.eval_batch, device, amp);
     runner->end_average();
     eval_total += std::chrono::duration<double>(Clock::now() - eval0).count();
     std::vector<double> sums = {loss_sum,

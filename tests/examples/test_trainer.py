@@ -242,6 +242,28 @@ class Trainer(unittest.TestCase):
             self.assertNotEqual(r.returncode, 0)
             self.assertIn(message, r.stderr)
 
+    def test_bf16_autocast(self):
+        # Autocast of forward and loss to bfloat16 (here on the CPU): it trains as float
+        # does, within bfloat16's rounding, and the run records the setting.
+        accs, losses = {}, {}
+        for amp in ("off", "bf16"):
+            out = os.path.join(self.tmp.name, "amp-" + amp)
+            r = trainer(SMALL + ["--mode", "decentralized", "--topology", "ring", "--amp", amp,
+                                 "--output", out])
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            row = self.check_run(out, "decentralized", True)
+            accs[amp] = row["test_acc"]
+            losses[amp] = row["train_loss"]
+            with open(os.path.join(out, "config.json")) as f:
+                self.assertEqual(json.load(f)["amp"], amp)
+        self.assertLess(abs(accs["bf16"] - accs["off"]), 0.05, accs)
+        # bfloat16 arithmetic did run: the losses are not the float run's.
+        self.assertNotEqual(losses["bf16"], losses["off"])
+        # A GPU asked for where there is none is an error naming the flag.
+        r = trainer(SMALL + ["--device", "cuda"], ranks=1, timeout=60)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("--device cuda: rank 0 sees no CUDA device", r.stderr)
+
     def test_bad_settings(self):
         cfg = os.path.join(self.tmp.name, "bad.json")
         with open(cfg, "w") as f:
