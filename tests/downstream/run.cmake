@@ -37,9 +37,22 @@ endforeach()
 execute_process(
   COMMAND ${CMAKE_COMMAND} -S "${SOURCE_DIR}/tests/downstream/project" -B "${WORK_DIR}/build"
           -G "${GENERATOR}" "-DCMAKE_PREFIX_PATH=${WORK_DIR}/moved;${TORCH_PREFIX}"
-  RESULT_VARIABLE rc)
+  RESULT_VARIABLE rc OUTPUT_VARIABLE configure_out)
+message("${configure_out}")
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "configuring the downstream project failed (${rc})")
+endif()
+# The package says whether the NCCL backend is in, as the build's config.h does.
+file(READ "${WORK_DIR}/moved/include/decent_dp/config.h" config_h)
+string(REGEX MATCH "#define DECENT_DP_HAVE_NCCL ([01])" _ "${config_h}")
+set(have_nccl "${CMAKE_MATCH_1}")
+if(have_nccl STREQUAL "1")
+  set(want "DecentDP_WITH_NCCL=ON")
+else()
+  set(want "DecentDP_WITH_NCCL=OFF")
+endif()
+if(NOT configure_out MATCHES "${want}")
+  message(FATAL_ERROR "the package should report ${want} (config.h: DECENT_DP_HAVE_NCCL ${have_nccl})")
 endif()
 execute_process(COMMAND ${CMAKE_COMMAND} --build "${WORK_DIR}/build" -j 2 RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
