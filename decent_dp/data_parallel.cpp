@@ -71,6 +71,10 @@ DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
                         params_[i].device().str(), ", parameter '", names_[0], "' on ",
                         device.str(), "; every parameter must be on one device");
   }
+  DECENT_DP_CHECK_ARG(device.is_cpu() || (!options_.codec && !options_.aggregator), who,
+                      ": codecs and aggregators run on CPU buckets, and the parameters are on ",
+                      device.str(),
+                      "; leave both null on a GPU (the mean is the all-reduce fast path)");
   data_ = communicator_for_device(device, control_);
 
   NamedTensors items;

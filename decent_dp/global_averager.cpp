@@ -111,9 +111,13 @@ double GlobalAverager::consensus_distance(BucketSet& buckets, const ParamBinding
   for (size_t i = 0; i < locals.size(); ++i) {
     d2 += locals[i].to(at::kDouble).sub(means[i].to(at::kDouble)).pow(2).sum().item<double>();
   }
-  auto total = at::full({1}, d2, at::kDouble);
+  if (locals.empty()) {
+    return 0.0;  // no buckets yet (before the first backward), on every rank alike
+  }
+  // On the blocks' device: the data communicator takes that device's tensors only.
+  auto total = at::full({1}, d2, at::TensorOptions().dtype(at::kDouble).device(locals[0].device()));
   comm.allreduce(total, total, kConsensusMean)->wait();
-  return total.data_ptr<double>()[0];
+  return total.item<double>();
 }
 
 }  // namespace decent_dp

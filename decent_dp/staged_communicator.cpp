@@ -63,8 +63,38 @@ void HostStagedCommunicator::check(const at::Tensor& t, const char* who, const c
                       " tensors");
 }
 
-at::Tensor HostStagedCommunicator::host_buffer(const at::Tensor& t, int64_t numel) {
-  return inner_->allocate(numel, t.options().device(c10::kCPU));
+at::Tensor HostStagedCommunicator::host_buffer(const at::Tensor& t, int64_t numel, int role) {
+  constexpr size_t kMaxCached = 4096;
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Key key{t.data_ptr(), numel, static_cast<int>(t.scalar_type()), role};
+  auto it = cache_.find(key);
+  if (it != cache_.end()) {
+    auto user = it->second.user.lock();
+    if (!user || user->is_completed()) {
+      handed_out_.push_back(key);
+      return it->second.host;
+    }
+    // Still in use by an operation nobody has waited for: a buffer of its own.
+    return inner_->allocate(numel, t.options().device(c10::kCPU));
+  }
+  if (cache_.size() >= kMaxCached) {
+    cache_.clear();  // tensors come and go; the wrappers' blocks are back at the next step
+  }
+  at::Tensor host = inner_->allocate(numel, t.options().device(c10::kCPU));
+  cache_.emplace(key, Cached{host, {}});
+  handed_out_.push_back(key);
+  return host;
+}
+
+void HostStagedCommunicator::claim(const std::shared_ptr<Work>& work) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const Key& k : handed_out_) {
+    auto it = cache_.find(k);
+    if (it != cache_.end()) {
+      it->second.user = work;
+    }
+  }
+  handed_out_.clear();
 }
 
 std::shared_ptr<Work> HostStagedCommunicator::allreduce(const at::Tensor& input,
@@ -76,22 +106,25 @@ std::shared_ptr<Work> HostStagedCommunicator::allreduce(const at::Tensor& input,
       input.scalar_type() == output.scalar_type() && input.numel() == output.numel(),
       "allreduce: output must match input (", input.numel(), " x ", input.scalar_type(), "), got ",
       output.numel(), " x ", output.scalar_type());
-  at::Tensor host = host_buffer(input, input.numel());
+  at::Tensor host = host_buffer(input, input.numel(), 0);
   host.copy_(input.reshape({-1}));  // waits for the caller's stream: the input is ready
-  auto inner = inner_->allreduce(host, host, options);
-  return std::make_shared<StagedWork>(
-      inner, std::vector<std::pair<at::Tensor, at::Tensor>>{{host, output}},
-      std::vector<at::Tensor>{input, output});
+  auto work =
+      std::make_shared<StagedWork>(inner_->allreduce(host, host, options),
+                                   std::vector<std::pair<at::Tensor, at::Tensor>>{{host, output}},
+                                   std::vector<at::Tensor>{input, output});
+  claim(work);
+  return work;
 }
 
 std::shared_ptr<Work> HostStagedCommunicator::broadcast(const at::Tensor& tensor, int root) {
   check(tensor, "broadcast", "tensor");
-  at::Tensor host = host_buffer(tensor, tensor.numel());
+  at::Tensor host = host_buffer(tensor, tensor.numel(), 0);
   host.copy_(tensor.reshape({-1}));
-  auto inner = inner_->broadcast(host, root);
-  return std::make_shared<StagedWork>(
-      inner, std::vector<std::pair<at::Tensor, at::Tensor>>{{host, tensor}},
+  auto work = std::make_shared<StagedWork>(
+      inner_->broadcast(host, root), std::vector<std::pair<at::Tensor, at::Tensor>>{{host, tensor}},
       std::vector<at::Tensor>{tensor});
+  claim(work);
+  return work;
 }
 
 std::shared_ptr<Work> HostStagedCommunicator::allgather(const at::Tensor& output,
@@ -99,13 +132,15 @@ std::shared_ptr<Work> HostStagedCommunicator::allgather(const at::Tensor& output
                                                         const AllgatherOptions& options) {
   check(input, "allgather", "input");
   check(output, "allgather", "output");
-  at::Tensor in = host_buffer(input, input.numel());
+  at::Tensor in = host_buffer(input, input.numel(), 0);
   in.copy_(input.reshape({-1}));
-  at::Tensor out = host_buffer(output, output.numel());
-  auto inner = inner_->allgather(out, in, options);
-  return std::make_shared<StagedWork>(inner,
-                                      std::vector<std::pair<at::Tensor, at::Tensor>>{{out, output}},
-                                      std::vector<at::Tensor>{input, output, in});
+  at::Tensor out = host_buffer(output, output.numel(), 1);
+  auto work =
+      std::make_shared<StagedWork>(inner_->allgather(out, in, options),
+                                   std::vector<std::pair<at::Tensor, at::Tensor>>{{out, output}},
+                                   std::vector<at::Tensor>{input, output, in});
+  claim(work);
+  return work;
 }
 
 std::shared_ptr<Work> HostStagedCommunicator::allgather_varying(const at::Tensor& output,
@@ -115,17 +150,19 @@ std::shared_ptr<Work> HostStagedCommunicator::allgather_varying(const at::Tensor
   check(input, "allgather_varying", "input");
   check(output, "allgather_varying", "output");
   DECENT_DP_CHECK_ARG(lengths.defined(), "allgather_varying: lengths must be defined");
-  at::Tensor in = host_buffer(input, input.numel());
+  at::Tensor in = host_buffer(input, input.numel(), 0);
   in.copy_(input.reshape({-1}));
-  at::Tensor out = host_buffer(output, output.numel());
-  at::Tensor len = lengths.is_cpu() ? lengths : host_buffer(lengths, lengths.numel());
-  auto inner = inner_->allgather_varying(out, in, len, options);
+  at::Tensor out = host_buffer(output, output.numel(), 1);
+  at::Tensor len = lengths.is_cpu() ? lengths : host_buffer(lengths, lengths.numel(), 2);
   std::vector<std::pair<at::Tensor, at::Tensor>> back{{out, output}};
   if (!lengths.is_cpu()) {
     back.emplace_back(len, lengths);
   }
-  return std::make_shared<StagedWork>(inner, std::move(back),
-                                      std::vector<at::Tensor>{input, output, lengths, in});
+  auto work = std::make_shared<StagedWork>(inner_->allgather_varying(out, in, len, options),
+                                           std::move(back),
+                                           std::vector<at::Tensor>{input, output, lengths, in});
+  claim(work);
+  return work;
 }
 
 }  // namespace decent_dp

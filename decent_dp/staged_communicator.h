@@ -9,14 +9,19 @@
 // the inner operation starts (the inputs are ready); the copy back runs on the caller's
 // current stream in wait() or synchronize(), so later work on that stream reads the result.
 // is_completed() stays false until the caller has waited: the copy back is part of the
-// operation.
+// operation. Host buffers are kept per caller tensor (address, length, dtype, role) and
+// reused by its next operation once the previous one has been waited for: the wrappers'
+// blocks stage through the same shared-memory buffers every step.
 //
 // `serves`: the device type of the tensors it takes, kCUDA for the wrappers; kCPU stages
 // CPU tensors through separate host copies, which exercises the same code on machines
 // without a GPU (tests/mpi/test_staged_comm.cpp).
 #pragma once
 
+#include <map>
 #include <memory>
+#include <mutex>
+#include <tuple>
 
 #include "decent_dp/communicator.h"
 
@@ -55,11 +60,23 @@ class HostStagedCommunicator final : public Communicator {
 
  private:
   void check(const at::Tensor& t, const char* who, const char* name) const;
-  // A host buffer for `t` (from the inner communicator's allocate: shared memory on MPI).
-  at::Tensor host_buffer(const at::Tensor& t, int64_t numel);
+  // A host buffer of `numel` elements of t's dtype for `t` in `role` (0: input or in-place,
+  // 1: output, 2: lengths), from the inner communicator's allocate (shared memory on MPI):
+  // the cached one unless an operation not yet waited for still uses it.
+  at::Tensor host_buffer(const at::Tensor& t, int64_t numel, int role);
+  // Marks the buffers just handed out as used by `work`.
+  void claim(const std::shared_ptr<Work>& work);
 
+  using Key = std::tuple<const void*, int64_t, int, int>;  // address, numel, dtype, role
+  struct Cached {
+    at::Tensor host;
+    std::weak_ptr<Work> user;
+  };
   std::shared_ptr<Communicator> inner_;
   c10::DeviceType serves_;
+  std::mutex mutex_;
+  std::map<Key, Cached> cache_;
+  std::vector<Key> handed_out_;  // by the operation being set up
 };
 
 }  // namespace decent_dp

@@ -17,6 +17,7 @@
 #include "decent_dp/decentralized_data_parallel.h"
 #include "decent_dp/distributed_data_parallel.h"
 #include "decent_dp/optim/factories.h"
+#include "decent_dp/quantize_codec.h"
 #include "decent_dp/staged_communicator.h"
 #include "decent_dp/topology/topology.h"
 #include "mpi/mpi_test_util.h"
@@ -268,4 +269,14 @@ TEST_CASE("bfloat16 and float16 parameters train end to end on the GPU", "[gpu][
         CHECK(max_rel(q[k], p[k]) <= 5e-2);
     }
   }
+}
+
+TEST_CASE("codecs and robust aggregators on GPU parameters are refused, named", "[gpu][ddp]") {
+  auto net = make_mlp();
+  net->to(my_device());
+  auto options = small_buckets("complete");
+  options.codec = std::make_shared<QuantizeCodec>(8, 256);
+  CHECK_THROWS_WITH((DecentralizedDataParallel<torch::nn::Sequential>(net, options, optim::adamw(),
+                                                                      nullptr, shared_comm())),
+                    Catch::Contains("codecs and aggregators run on CPU buckets"));
 }

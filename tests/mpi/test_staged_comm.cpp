@@ -73,6 +73,28 @@ TEST_CASE("host staging: all-reduce, broadcast and all-gathers equal the inner c
     }
   }
 
+  // Host buffers are reused per tensor once waited for, and never shared by two operations
+  // in flight: the same input twice before either wait, then again after.
+  {
+    auto direct = comm().allocate(700, torch::TensorOptions().dtype(torch::kFloat));
+    direct.copy_(input_of(rank, 700));
+    comm().allreduce(direct, {}, ReduceOp::kSum)->wait();
+    auto in = input_of(rank, 700);
+    auto out1 = torch::zeros({700});
+    auto out2 = torch::zeros({700});
+    auto w1 = staged.allreduce(in, out1, AllreduceOptions{ReduceOp::kSum, {}, {}, {}});
+    auto w2 = staged.allreduce(in, out2, AllreduceOptions{ReduceOp::kSum, {}, {}, {}});
+    w2->wait();
+    w1->wait();
+    CHECK(torch::equal(out1, direct));
+    CHECK(torch::equal(out2, direct));
+    for (int again = 0; again < 3; ++again) {
+      out1.zero_();
+      staged.allreduce(in, out1, AllreduceOptions{ReduceOp::kSum, {}, {}, {}})->wait();
+      CHECK(torch::equal(out1, direct));
+    }
+  }
+
   auto b = rank == 0 ? input_of(7, 33) : torch::zeros({33});
   staged.broadcast(b, 0)->wait();
   CHECK(torch::equal(b, input_of(7, 33)));
