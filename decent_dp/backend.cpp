@@ -2,7 +2,6 @@
 
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/ops/empty.h>
-#include <unistd.h>
 
 #include <cstring>
 #include <map>
@@ -42,11 +41,7 @@ namespace detail {
 
 std::vector<std::string> rank_devices(Communicator& control, int device_index) {
   constexpr int64_t kWidth = 256;
-  char host[kWidth - 16] = {0};
-  if (gethostname(host, sizeof(host) - 1) != 0) {
-    std::strcpy(host, "?");
-  }
-  const std::string me = cat(host, "#", device_index);
+  const std::string me = cat(host_name(), "#", device_index);
   auto in = at::empty({kWidth}, at::TensorOptions().dtype(at::kChar));
   std::memset(in.data_ptr(), 0, kWidth);
   std::memcpy(in.data_ptr(), me.data(), std::min<size_t>(me.size(), kWidth - 1));

@@ -116,4 +116,15 @@ class Communicator {
 // "[0,1,2]"
 std::string ranks_to_string(const std::vector<int>& ranks);
 
+namespace detail {
+
+// make_groups' local validation, the same for every backend: each group non-empty, ranks in
+// [0, world_size), ascending without repeats (InvalidArgument naming the group otherwise).
+// Returns a hash of the whole list, which the backends compare across ranks.
+uint64_t check_groups(const std::vector<std::vector<int>>& groups, int world_size);
+// This machine's host name ("unknown host" when it cannot be read), for messages.
+std::string host_name();
+
+}  // namespace detail
+
 }  // namespace decent_dp

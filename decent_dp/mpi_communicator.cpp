@@ -620,25 +620,7 @@ bool MpiCommunicator::has_group(const std::vector<int>& ranks) const {
 void MpiCommunicator::make_groups(const std::vector<std::vector<int>>& groups) {
   Impl& d = *impl_;
   // Local validation first, so malformed input fails on every rank the same way.
-  uint64_t hash = 1469598103934665603ULL;  // FNV-1a over the lists
-  auto mix = [&hash](uint64_t v) {
-    hash ^= v;
-    hash *= 1099511628211ULL;
-  };
-  for (size_t i = 0; i < groups.size(); ++i) {
-    const auto& g = groups[i];
-    DECENT_DP_CHECK_ARG(!g.empty(), "make_groups: group ", i, " is empty");
-    for (size_t j = 0; j < g.size(); ++j) {
-      DECENT_DP_CHECK_ARG(g[j] >= 0 && g[j] < d.size, "make_groups: group ", i, " ",
-                          ranks_to_string(g), " names rank ", g[j], ", expected ranks in [0, ",
-                          d.size - 1, "]");
-      DECENT_DP_CHECK_ARG(j == 0 || g[j] > g[j - 1], "make_groups: group ", i, " ",
-                          ranks_to_string(g), " must list distinct ranks in ascending order");
-      mix(static_cast<uint64_t>(g[j]));
-    }
-    mix(0xFFFFFFFFULL);
-  }
-  mix(groups.size());
+  const uint64_t hash = detail::check_groups(groups, d.size);
 
   // First every rank's hash, without blocking (a rank that never arrives, for example
   // because its constructor threw first, then costs the timeout instead of a hang); once all

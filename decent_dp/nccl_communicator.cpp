@@ -29,7 +29,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <nccl.h>
-#include <unistd.h>
 
 #if __has_include(<c10/cuda/CUDAEvent.h>)
 #include <c10/cuda/CUDAEvent.h>
@@ -59,14 +58,6 @@ namespace decent_dp {
 
 namespace {
 
-std::string host_name() {
-  char buf[256] = {0};
-  if (gethostname(buf, sizeof(buf) - 1) != 0) {
-    return "?";
-  }
-  return buf;
-}
-
 // NCCL's data type for a tensor's dtype; throws InvalidArgument for the others.
 ncclDataType_t nccl_type(const at::Tensor& t, const char* who) {
   switch (t.scalar_type()) {
@@ -93,24 +84,6 @@ ncclDataType_t nccl_type(const at::Tensor& t, const char* who) {
                       "uint8 and int8 tensors, got ",
                       t.scalar_type()));
   }
-}
-
-uint64_t fnv1a(const std::vector<std::vector<int>>& groups) {
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&h](uint64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= (v >> (8 * i)) & 0xff;
-      h *= 1099511628211ull;
-    }
-  };
-  mix(groups.size());
-  for (const auto& g : groups) {
-    mix(g.size());
-    for (int r : g) {
-      mix(static_cast<uint64_t>(r));
-    }
-  }
-  return h;
 }
 
 }  // namespace
@@ -252,13 +225,12 @@ struct NcclCommunicator::Impl {
   }
 
   // Orders the communication stream after the caller's current stream.
-  c10::cuda::CUDAStream begin() {
+  void begin() {
     watchdog->check();
     auto current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
     CudaEvent ready(cudaEventDisableTiming);
     ready.record(current);
     ready.block(*stream);
-    return current;
   }
 
   // Records the tensors on the communication stream, then the end event, and hands the
@@ -322,7 +294,7 @@ NcclCommunicator::NcclCommunicator(std::shared_ptr<Communicator> control, NcclOp
   m.options = options;
   m.rank = m.control->rank();
   m.size = m.control->size();
-  m.host = host_name();
+  m.host = detail::host_name();
   m.timeout = options.timeout.count() > 0 ? options.timeout : m.control->timeout();
   const int count = c10::cuda::device_count();
   DECENT_DP_CHECK_ARG(count > 0, "NcclCommunicator: rank ", m.rank, " (host ", m.host,
@@ -369,9 +341,7 @@ NcclCommunicator::NcclCommunicator(std::shared_ptr<Communicator> control, NcclOp
       detail::Watchdog::Hooks{[raw] { return raw->async_error(); }, [raw] { raw->abort_all(); }},
       options.poll_interval);
   if (m.rank == 0) {
-    int version = 0;
-    ncclGetVersion(&version);
-    DECENT_DP_LOG_INFO(detail::cat("NCCL ", version, ": ", m.size, " ranks, ",
+    DECENT_DP_LOG_INFO(detail::cat("NCCL ", runtime_version(), ": ", m.size, " ranks, ",
                                    options.nonblocking ? "non-blocking" : "blocking",
                                    " communicators, timeout ", m.timeout.count(), " ms"));
   }
@@ -442,18 +412,10 @@ NcclStats NcclCommunicator::stats() const {
 
 void NcclCommunicator::make_groups(const std::vector<std::vector<int>>& groups) {
   Impl& m = *impl_;
-  for (const auto& g : groups) {
-    DECENT_DP_CHECK_ARG(!g.empty(), "make_groups: empty group");
-    for (size_t i = 0; i < g.size(); ++i) {
-      DECENT_DP_CHECK_ARG(g[i] >= 0 && g[i] < m.size, "make_groups: rank ", g[i], " of group ",
-                          ranks_to_string(g), " is outside [0, ", m.size, ")");
-      DECENT_DP_CHECK_ARG(i == 0 || g[i] > g[i - 1], "make_groups: group ", ranks_to_string(g),
-                          " must be ascending without repeats");
-    }
-  }
+  const uint64_t hash = detail::check_groups(groups, m.size);
   // Every rank must pass the same list: compare a hash of it across ranks.
   auto mine = at::empty({1}, at::TensorOptions().dtype(at::kLong));
-  *mine.data_ptr<int64_t>() = static_cast<int64_t>(fnv1a(groups));
+  *mine.data_ptr<int64_t>() = static_cast<int64_t>(hash);
   auto hashes = at::empty({m.size}, mine.options());
   m.control->allgather(hashes, mine, AllgatherOptions{{}, {}, "make_groups check"})->wait();
   for (int r = 0; r < m.size; ++r) {

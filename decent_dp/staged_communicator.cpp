@@ -63,7 +63,8 @@ void HostStagedCommunicator::check(const at::Tensor& t, const char* who, const c
                       " tensors");
 }
 
-at::Tensor HostStagedCommunicator::host_buffer(const at::Tensor& t, int64_t numel, int role) {
+at::Tensor HostStagedCommunicator::host_buffer(const at::Tensor& t, int64_t numel, int role,
+                                               std::vector<Key>& used) {
   constexpr size_t kMaxCached = 4096;
   std::lock_guard<std::mutex> lock(mutex_);
   const Key key{t.data_ptr(), numel, static_cast<int>(t.scalar_type()), role};
@@ -71,7 +72,7 @@ at::Tensor HostStagedCommunicator::host_buffer(const at::Tensor& t, int64_t nume
   if (it != cache_.end()) {
     auto user = it->second.user.lock();
     if (!user || user->is_completed()) {
-      handed_out_.push_back(key);
+      used.push_back(key);
       return it->second.host;
     }
     // Still in use by an operation nobody has waited for: a buffer of its own.
@@ -82,19 +83,19 @@ at::Tensor HostStagedCommunicator::host_buffer(const at::Tensor& t, int64_t nume
   }
   at::Tensor host = inner_->allocate(numel, t.options().device(c10::kCPU));
   cache_.emplace(key, Cached{host, {}});
-  handed_out_.push_back(key);
+  used.push_back(key);
   return host;
 }
 
-void HostStagedCommunicator::claim(const std::shared_ptr<Work>& work) {
+void HostStagedCommunicator::claim(const std::vector<Key>& used,
+                                   const std::shared_ptr<Work>& work) {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (const Key& k : handed_out_) {
+  for (const Key& k : used) {
     auto it = cache_.find(k);
     if (it != cache_.end()) {
       it->second.user = work;
     }
   }
-  handed_out_.clear();
 }
 
 std::shared_ptr<Work> HostStagedCommunicator::allreduce(const at::Tensor& input,
@@ -106,24 +107,26 @@ std::shared_ptr<Work> HostStagedCommunicator::allreduce(const at::Tensor& input,
       input.scalar_type() == output.scalar_type() && input.numel() == output.numel(),
       "allreduce: output must match input (", input.numel(), " x ", input.scalar_type(), "), got ",
       output.numel(), " x ", output.scalar_type());
-  at::Tensor host = host_buffer(input, input.numel(), 0);
+  std::vector<Key> used;
+  at::Tensor host = host_buffer(input, input.numel(), 0, used);
   host.copy_(input.reshape({-1}));  // waits for the caller's stream: the input is ready
   auto work =
       std::make_shared<StagedWork>(inner_->allreduce(host, host, options),
                                    std::vector<std::pair<at::Tensor, at::Tensor>>{{host, output}},
                                    std::vector<at::Tensor>{input, output});
-  claim(work);
+  claim(used, work);
   return work;
 }
 
 std::shared_ptr<Work> HostStagedCommunicator::broadcast(const at::Tensor& tensor, int root) {
   check(tensor, "broadcast", "tensor");
-  at::Tensor host = host_buffer(tensor, tensor.numel(), 0);
+  std::vector<Key> used;
+  at::Tensor host = host_buffer(tensor, tensor.numel(), 0, used);
   host.copy_(tensor.reshape({-1}));
   auto work = std::make_shared<StagedWork>(
       inner_->broadcast(host, root), std::vector<std::pair<at::Tensor, at::Tensor>>{{host, tensor}},
       std::vector<at::Tensor>{tensor});
-  claim(work);
+  claim(used, work);
   return work;
 }
 
@@ -132,14 +135,15 @@ std::shared_ptr<Work> HostStagedCommunicator::allgather(const at::Tensor& output
                                                         const AllgatherOptions& options) {
   check(input, "allgather", "input");
   check(output, "allgather", "output");
-  at::Tensor in = host_buffer(input, input.numel(), 0);
+  std::vector<Key> used;
+  at::Tensor in = host_buffer(input, input.numel(), 0, used);
   in.copy_(input.reshape({-1}));
-  at::Tensor out = host_buffer(output, output.numel(), 1);
+  at::Tensor out = host_buffer(output, output.numel(), 1, used);
   auto work =
       std::make_shared<StagedWork>(inner_->allgather(out, in, options),
                                    std::vector<std::pair<at::Tensor, at::Tensor>>{{out, output}},
                                    std::vector<at::Tensor>{input, output, in});
-  claim(work);
+  claim(used, work);
   return work;
 }
 
@@ -150,10 +154,11 @@ std::shared_ptr<Work> HostStagedCommunicator::allgather_varying(const at::Tensor
   check(input, "allgather_varying", "input");
   check(output, "allgather_varying", "output");
   DECENT_DP_CHECK_ARG(lengths.defined(), "allgather_varying: lengths must be defined");
-  at::Tensor in = host_buffer(input, input.numel(), 0);
+  std::vector<Key> used;
+  at::Tensor in = host_buffer(input, input.numel(), 0, used);
   in.copy_(input.reshape({-1}));
-  at::Tensor out = host_buffer(output, output.numel(), 1);
-  at::Tensor len = lengths.is_cpu() ? lengths : host_buffer(lengths, lengths.numel(), 2);
+  at::Tensor out = host_buffer(output, output.numel(), 1, used);
+  at::Tensor len = lengths.is_cpu() ? lengths : host_buffer(lengths, lengths.numel(), 2, used);
   std::vector<std::pair<at::Tensor, at::Tensor>> back{{out, output}};
   if (!lengths.is_cpu()) {
     back.emplace_back(len, lengths);
@@ -161,7 +166,7 @@ std::shared_ptr<Work> HostStagedCommunicator::allgather_varying(const at::Tensor
   auto work = std::make_shared<StagedWork>(inner_->allgather_varying(out, in, len, options),
                                            std::move(back),
                                            std::vector<at::Tensor>{input, output, lengths, in});
-  claim(work);
+  claim(used, work);
   return work;
 }
 

@@ -62,12 +62,13 @@ class HostStagedCommunicator final : public Communicator {
   void check(const at::Tensor& t, const char* who, const char* name) const;
   // A host buffer of `numel` elements of t's dtype for `t` in `role` (0: input or in-place,
   // 1: output, 2: lengths), from the inner communicator's allocate (shared memory on MPI):
-  // the cached one unless an operation not yet waited for still uses it.
-  at::Tensor host_buffer(const at::Tensor& t, int64_t numel, int role);
-  // Marks the buffers just handed out as used by `work`.
-  void claim(const std::shared_ptr<Work>& work);
-
+  // the cached one unless an operation not yet waited for still uses it (then its key is
+  // added to `used`).
   using Key = std::tuple<const void*, int64_t, int, int>;  // address, numel, dtype, role
+  at::Tensor host_buffer(const at::Tensor& t, int64_t numel, int role, std::vector<Key>& used);
+  // Marks the cached buffers `used` as taken by `work` until it has been waited for.
+  void claim(const std::vector<Key>& used, const std::shared_ptr<Work>& work);
+
   struct Cached {
     at::Tensor host;
     std::weak_ptr<Work> user;
@@ -76,7 +77,6 @@ class HostStagedCommunicator final : public Communicator {
   c10::DeviceType serves_;
   std::mutex mutex_;
   std::map<Key, Cached> cache_;
-  std::vector<Key> handed_out_;  // by the operation being set up
 };
 
 }  // namespace decent_dp

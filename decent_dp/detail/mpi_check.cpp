@@ -1,10 +1,8 @@
 #include "decent_dp/detail/mpi_check.h"
 
-#include <unistd.h>
-
 #include <atomic>
-#include <climits>
 
+#include "decent_dp/communicator.h"
 #include "decent_dp/errors.h"
 
 namespace decent_dp {
@@ -12,14 +10,6 @@ namespace detail {
 namespace {
 
 std::atomic<int> g_world_rank{-1};
-
-std::string host_name() {
-  char buffer[HOST_NAME_MAX + 1] = {};
-  if (gethostname(buffer, sizeof(buffer) - 1) != 0) {
-    return "unknown host";
-  }
-  return buffer;
-}
 
 }  // namespace
 
