@@ -121,7 +121,7 @@ int main(int argc, char** argv) {
   double factor = 2;
   int iters = 20, warmup = 5;
   std::vector<std::string> names = {"complete", "ring", "one-peer-exp", "alternating-exp-ring"};
-  int lws = 0;
+  int lws = 0, inflight = 1;
   app.add_option("-b,--minbytes", min_text, "smallest size, e.g. 4, 64K, 1M");
   app.add_option("-e,--maxbytes", max_text, "largest size");
   app.add_option("-f,--stepfactor", factor, "size multiplier between rows")
@@ -137,6 +137,10 @@ int main(int argc, char** argv) {
                  "shared: from MpiCommunicator::allocate, as the wrappers' blocks (shared memory "
                  "between ranks of a node); private: ordinary memory (the ring over MPI messages)")
       ->check(CLI::IsMember({"shared", "private"}));
+  app.add_option("--inflight", inflight,
+                 "library: split each block into this many all-reduces in flight at once, as "
+                 "a step's buckets are (default 1)")
+      ->check(CLI::Range(1, 4096));
   CLI11_PARSE(app, argc, argv);
   if (const std::string bad = decent_dp::bench::check_writable(json_path, "-J/--json");
       !bad.empty()) {
@@ -161,9 +165,10 @@ int main(int argc, char** argv) {
   nlohmann::json results = nlohmann::json::array();
   if (rank == 0) {
     fmt::print(
-        "# gossip_bench: {} ranks, {} iterations after {} warm-up, float32, sum, {} buffer; "
-        "time = median over iterations of the slowest rank\n",
-        n, iters, warmup, memory);
+        "# gossip_bench: {} ranks, {} iterations after {} warm-up, float32, sum, {} buffer, {} "
+        "library operation(s) in flight per block; time = median over iterations of the "
+        "slowest rank\n",
+        n, iters, warmup, memory, inflight);
     fmt::print(
         "# library = decent_dp MpiCommunicator::allreduce (async + wait); mpi = "
         "MPI_Allreduce on the same group\n");
@@ -208,7 +213,20 @@ int main(int argc, char** argv) {
         at::Tensor view = buffer.narrow(0, 0, count);
         const double bus_factor = k_max > 1 ? 2.0 * (k_max - 1) / k_max : 0.0;
         auto lib_once = [&] {
-          comm.allreduce(view, group.ranks, decent_dp::ReduceOp::kSum)->wait();
+          if (inflight == 1 || count < inflight) {
+            comm.allreduce(view, group.ranks, decent_dp::ReduceOp::kSum)->wait();
+            return;
+          }
+          // Equal parts (the last one takes the rest), all launched before any is waited for.
+          std::vector<std::shared_ptr<decent_dp::Work>> works;
+          const int64_t part = count / inflight;
+          for (int i = 0; i < inflight; ++i) {
+            const int64_t len = i + 1 < inflight ? part : count - part * (inflight - 1);
+            works.push_back(comm.allreduce(view.narrow(0, i * part, len), group.ranks,
+                                           decent_dp::ReduceOp::kSum));
+          }
+          for (auto& w : works)
+            w->wait();
         };
         auto mpi_once = [&] {
           MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw);
@@ -282,11 +300,13 @@ int main(int argc, char** argv) {
     }
   }
   if (rank == 0 && !json_path.empty() &&
-      !decent_dp::bench::write_json(
-          json_path,
-          nlohmann::json{
-              {"world_size", n}, {"iters", iters}, {"warmup", warmup}, {"results", results}},
-          "-J/--json")) {
+      !decent_dp::bench::write_json(json_path,
+                                    nlohmann::json{{"world_size", n},
+                                                   {"iters", iters},
+                                                   {"warmup", warmup},
+                                                   {"inflight", inflight},
+                                                   {"results", results}},
+                                    "-J/--json")) {
     return 1;
   }
   return 0;

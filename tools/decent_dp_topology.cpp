@@ -98,11 +98,11 @@ int main(int argc, char** argv) {
   app.add_option("--flow-bw", flow_mbs, "plan: MB/s cap of one flow across nodes (0: none)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--shared-efficiency", in.shared_efficiency,
-                 "plan: share of a NIC that several flows across get together")
+                 "plan: share of a NIC that several flows in flight across get together")
       ->check(CLI::Range(0.01, 1.0));
   bool fifo = false;
   app.add_flag("--fifo-exchanges", fifo,
-               "plan: a step's exchanges finish one after another instead of together");
+               "plan: exchanges on one link run one after another instead of sharing it");
   app.add_option("--latency-us", in.latency_us, "plan: microseconds per ring step")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--steps", in.steps, "plan: simulated steps (0: four periods, at least 32)")

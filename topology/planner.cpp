@@ -6,6 +6,9 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <queue>
+#include <unordered_map>
+#include <utility>
 
 #include "decent_dp/topology/traffic.h"
 
@@ -22,31 +25,6 @@ double unit_hash(int rank, int64_t step) {
   h = (h ^ (h >> 27)) * 0x94d049bb133111ebULL;
   h ^= h >> 31;
   return static_cast<double>(h >> 11) / 9007199254740992.0;
-}
-
-// Seconds of one ring all-reduce of `bytes` per member over `g`, in a slot whose nodes have
-// `flows` ranks sending across.
-double ring_seconds(const Group& g, double bytes, int lws, const std::vector<int>& flows,
-                    const PlanInputs& in) {
-  const int k = g.size();
-  if (k <= 1) {
-    return 0.0;
-  }
-  double slowest = std::numeric_limits<double>::infinity();
-  for (int i = 0; i < k; ++i) {
-    const int from = g.ranks[static_cast<size_t>(i)];
-    const int to = g.ranks[static_cast<size_t>((i + 1) % k)];
-    double bw = in.intra_bw;
-    if (node_of(from, lws) != node_of(to, lws)) {
-      const int f = std::max(1, flows[static_cast<size_t>(node_of(from, lws))]);
-      bw = f == 1 ? in.inter_bw : in.shared_efficiency * in.inter_bw / f;
-      if (in.flow_bw > 0) {
-        bw = std::min(bw, in.flow_bw);
-      }
-    }
-    slowest = std::min(slowest, bw);
-  }
-  return 2.0 * (k - 1) * (bytes / k / slowest + in.latency_us * 1e-6);
 }
 
 struct Compute {
@@ -139,135 +117,511 @@ std::vector<double> buckets_of(double params, int dtype_bytes, double cap_mb) {
   return out;
 }
 
-Prediction predict_gossip(const Topology& topology, const PlanInputs& in) {
-  in.validate();
-  const int n = topology.world_size();
-  const int lws = topology.local_world_size();
-  const int period = topology.period();
-  const Compute c = split(in);
-  const size_t nb = in.bucket_bytes.size();
-  // Per slot and bucket: each group's exchange, in ms.
-  std::vector<std::vector<double>> group_ms(static_cast<size_t>(period) * nb);
-  for (int s = 0; s < period; ++s) {
-    const SlotTraffic traffic = slot_traffic(topology, s, 1.0);
-    for (size_t b = 0; b < nb; ++b) {
-      auto& v = group_ms[static_cast<size_t>(s) * nb + b];
-      for (const Group& g : topology.slot(s)) {
-        v.push_back(1e3 * ring_seconds(g, in.bucket_bytes[b], lws, traffic.nic_flows_out, in));
+namespace {
+
+constexpr double kNever = std::numeric_limits<double>::infinity();
+
+// The network of Note [planner model]: exchanges in flight share their ring edges, and the
+// edges across nodes share the NICs they leave and enter, counted from what is in flight
+// at each instant. A fluid simulation: rates change only when an exchange starts or ends,
+// so between those events every exchange moves at a constant rate. Ranks are driven by a
+// program (the wrapper's timeline) through schedule() and wait_for().
+class Simulation {
+ public:
+  Simulation(int world_size, int local_world_size, const PlanInputs& in)
+      : in_(in),
+        n_(world_size),
+        lws_(local_world_size),
+        out_flows_(static_cast<size_t>(nodes()), 0),
+        in_flows_(static_cast<size_t>(nodes()), 0),
+        pairs_out_(static_cast<size_t>(nodes())),
+        pairs_in_(static_cast<size_t>(nodes())) {}
+
+  double now() const { return now_; }
+
+  // A ring all-reduce of `bytes` per member over `ranks` (ascending: the ring's order). It
+  // starts when every member has called launch().
+  int add_exchange(const std::vector<int>& ranks, double bytes) {
+    Exchange e;
+    const int k = static_cast<int>(ranks.size());
+    e.missing = k;
+    if (k > 1) {
+      e.work = 2.0 * (k - 1) / k * bytes;
+      e.latency_ms = 2.0 * (k - 1) * in_.latency_us * 1e-3;
+      for (int i = 0; i < k; ++i) {
+        e.pairs.push_back(
+            pair_id(ranks[static_cast<size_t>(i)], ranks[static_cast<size_t>((i + 1) % k)]));
+      }
+    }
+    exchanges_.push_back(std::move(e));
+    seen_.push_back(0);
+    return static_cast<int>(exchanges_.size()) - 1;
+  }
+
+  // One member launches exchange `id` now; the last one starts it.
+  void launch(int id) {
+    Exchange& e = exchanges_[static_cast<size_t>(id)];
+    if (--e.missing > 0) {
+      return;
+    }
+    e.start = now_;
+    if (e.pairs.empty() || e.work <= 0) {
+      finish(id);
+      return;
+    }
+    const std::vector<int> touched = touched_pairs(e, /*starting=*/true);
+    settle(touched);
+    for (int p : e.pairs) {
+      Pair& pair = pairs_[static_cast<size_t>(p)];
+      if (pair.cross && pair.active.empty()) {
+        ++out_flows_[static_cast<size_t>(pair.src_node)];
+        ++in_flows_[static_cast<size_t>(pair.dst_node)];
+      }
+      pair.active.push_back(id);
+    }
+    e.active = true;
+    e.updated = now_;
+    rerate(touched);
+  }
+
+  bool done(int id) const { return exchanges_[static_cast<size_t>(id)].done >= 0; }
+  double done_at(int id) const { return exchanges_[static_cast<size_t>(id)].done; }
+  double start_at(int id) const { return exchanges_[static_cast<size_t>(id)].start; }
+
+  // The program is called for `rank` again when exchange `id` is done.
+  void wait_for(int id, int rank) { exchanges_[static_cast<size_t>(id)].waiters.push_back(rank); }
+  // The program is called for `rank` at `time` (>= now).
+  void schedule(int rank, double time) { ranks_.push({time, sequence_++, rank}); }
+
+  // Runs until no rank is scheduled and no exchange is in flight.
+  template <class Program>
+  void run(Program&& program) {
+    for (;;) {
+      const double t_net = next_completion();
+      const double t_rank = ranks_.empty() ? kNever : ranks_.top().time;
+      if (t_net == kNever && t_rank == kNever) {
+        return;
+      }
+      if (t_net <= t_rank) {
+        const int id = completions_.top().id;
+        completions_.pop();
+        now_ = t_net;
+        finish(id);
+      } else {
+        const int r = ranks_.top().rank;
+        ranks_.pop();
+        now_ = t_rank;
+        program(r);
       }
     }
   }
+
+ private:
+  struct Pair {
+    bool cross = false;
+    int src_node = 0, dst_node = 0;
+    std::vector<int> active;  // exchanges on this edge, in the order they started
+  };
+  struct Exchange {
+    std::vector<int> pairs;  // its ring edges
+    int missing = 0;         // members yet to launch it
+    double work = 0;         // bytes each edge still has to move
+    double latency_ms = 0;
+    double start = -1, done = -1;
+    double rate = 0;  // bytes per ms on every edge
+    double updated = 0;
+    uint64_t version = 0;
+    bool active = false;
+    std::vector<int> waiters;
+  };
+  struct RankEvent {
+    double time;
+    uint64_t sequence;
+    int rank;
+    bool operator>(const RankEvent& o) const {
+      return time != o.time ? time > o.time : sequence > o.sequence;
+    }
+  };
+  struct Completion {
+    double time;
+    int id;
+    uint64_t version;
+    bool operator>(const Completion& o) const { return time > o.time; }
+  };
+
+  int nodes() const { return (n_ + lws_ - 1) / lws_; }
+
+  int pair_id(int from, int to) {
+    const int64_t key = static_cast<int64_t>(from) * n_ + to;
+    auto it = pair_index_.find(key);
+    if (it != pair_index_.end()) {
+      return it->second;
+    }
+    Pair p;
+    p.src_node = node_of(from, lws_);
+    p.dst_node = node_of(to, lws_);
+    p.cross = p.src_node != p.dst_node;
+    pairs_.push_back(p);
+    const int id = static_cast<int>(pairs_.size()) - 1;
+    if (p.cross) {
+      pairs_out_[static_cast<size_t>(p.src_node)].push_back(id);
+      pairs_in_[static_cast<size_t>(p.dst_node)].push_back(id);
+    }
+    pair_index_.emplace(key, id);
+    return id;
+  }
+
+  // The edges whose rate changes when `e` starts or ends: its own, and every edge through a
+  // NIC whose count of flows in flight changes with it.
+  std::vector<int> touched_pairs(const Exchange& e, bool starting) const {
+    std::vector<int> out = e.pairs;
+    for (int p : e.pairs) {
+      const Pair& pair = pairs_[static_cast<size_t>(p)];
+      const size_t in_flight = pair.active.size();
+      if (pair.cross && (starting ? in_flight == 0 : in_flight == 1)) {
+        const auto& o = pairs_out_[static_cast<size_t>(pair.src_node)];
+        const auto& i = pairs_in_[static_cast<size_t>(pair.dst_node)];
+        out.insert(out.end(), o.begin(), o.end());
+        out.insert(out.end(), i.begin(), i.end());
+      }
+    }
+    return out;
+  }
+
+  // Exchanges in flight on `pairs`, each once.
+  std::vector<int> exchanges_on(const std::vector<int>& pairs) {
+    ++stamp_;
+    std::vector<int> out;
+    for (int p : pairs) {
+      for (int id : pairs_[static_cast<size_t>(p)].active) {
+        if (seen_[static_cast<size_t>(id)] != stamp_) {
+          seen_[static_cast<size_t>(id)] = stamp_;
+          out.push_back(id);
+        }
+      }
+    }
+    return out;
+  }
+
+  // Brings the remaining work of the exchanges on `pairs` up to now at their current rates.
+  void settle(const std::vector<int>& pairs) {
+    for (int id : exchanges_on(pairs)) {
+      Exchange& e = exchanges_[static_cast<size_t>(id)];
+      e.work = std::max(0.0, e.work - e.rate * (now_ - e.updated));
+      e.updated = now_;
+    }
+  }
+
+  double nic_share(int flows) const {
+    const double bw = in_.inter_bw * 1e-3;  // bytes per ms
+    return flows <= 1 ? bw : in_.shared_efficiency * bw / flows;
+  }
+
+  double edge_rate(const Pair& p) const {
+    if (!p.cross) {
+      return in_.intra_bw * 1e-3;
+    }
+    double bw = std::min(nic_share(out_flows_[static_cast<size_t>(p.src_node)]),
+                         nic_share(in_flows_[static_cast<size_t>(p.dst_node)]));
+    if (in_.flow_bw > 0) {
+      bw = std::min(bw, in_.flow_bw * 1e-3);
+    }
+    return bw;
+  }
+
+  // New rates for the exchanges on `pairs` (already settled), and their completion times.
+  void rerate(const std::vector<int>& pairs) {
+    for (int id : exchanges_on(pairs)) {
+      Exchange& e = exchanges_[static_cast<size_t>(id)];
+      double rate = kNever;
+      for (int p : e.pairs) {
+        const Pair& pair = pairs_[static_cast<size_t>(p)];
+        const double bw = edge_rate(pair);
+        // Sharing: every exchange on the edge gets an equal part; one after another: the
+        // first one started gets all of it.
+        const double share = in_.shared_exchanges ? bw / static_cast<double>(pair.active.size())
+                                                  : (pair.active.front() == id ? bw : 0.0);
+        rate = std::min(rate, share);
+      }
+      e.rate = rate;
+      ++e.version;
+      if (rate > 0) {
+        completions_.push({now_ + e.work / rate, id, e.version});
+      }
+    }
+  }
+
+  double next_completion() {
+    while (!completions_.empty()) {
+      const Completion& c = completions_.top();
+      const Exchange& e = exchanges_[static_cast<size_t>(c.id)];
+      if (e.active && e.version == c.version) {
+        return c.time;
+      }
+      completions_.pop();
+    }
+    return kNever;
+  }
+
+  // Ends exchange `id` now (its data moved; done after its latency) and wakes its waiters.
+  void finish(int id) {
+    Exchange& e = exchanges_[static_cast<size_t>(id)];
+    if (e.active) {
+      const std::vector<int> touched = touched_pairs(e, /*starting=*/false);
+      settle(touched);
+      for (int p : e.pairs) {
+        Pair& pair = pairs_[static_cast<size_t>(p)];
+        pair.active.erase(std::find(pair.active.begin(), pair.active.end(), id));
+        if (pair.cross && pair.active.empty()) {
+          --out_flows_[static_cast<size_t>(pair.src_node)];
+          --in_flows_[static_cast<size_t>(pair.dst_node)];
+        }
+      }
+      e.active = false;
+      e.work = 0;
+      rerate(touched);
+    }
+    e.done = now_ + e.latency_ms;
+    for (int r : e.waiters) {
+      schedule(r, now_);
+    }
+    e.waiters.clear();
+  }
+
+  const PlanInputs& in_;
+  const int n_, lws_;
+  double now_ = 0;
+  std::vector<Exchange> exchanges_;
+  std::vector<Pair> pairs_;
+  std::unordered_map<int64_t, int> pair_index_;
+  std::vector<int> out_flows_, in_flows_;  // per node: edges across with exchanges in flight
+  std::vector<std::vector<int>> pairs_out_, pairs_in_;  // per node: its edges across
+  std::vector<uint64_t> seen_;
+  uint64_t stamp_ = 0;
+  uint64_t sequence_ = 0;
+  std::priority_queue<RankEvent, std::vector<RankEvent>, std::greater<RankEvent>> ranks_;
+  std::priority_queue<Completion, std::vector<Completion>, std::greater<Completion>> completions_;
+};
+
+// Mean over ranks and steps of the time each rank has at least one exchange in flight.
+double busy_ms(std::vector<std::vector<std::pair<double, double>>>& spans, int steps) {
+  double total = 0;
+  for (auto& v : spans) {
+    std::sort(v.begin(), v.end());
+    double end = -kNever;
+    for (const auto& [a, b] : v) {
+      if (b > end) {
+        total += b - std::max(a, end);
+        end = b;
+      }
+    }
+  }
+  return total / static_cast<double>(spans.size()) / steps;
+}
+
+}  // namespace
+
+Prediction predict_gossip(const Topology& topology, const PlanInputs& in) {
+  in.validate();
+  const int n = topology.world_size();
+  const int period = topology.period();
+  const Compute c = split(in);
+  const int nb = static_cast<int>(in.bucket_bytes.size());
   const int warm = std::max(period, 8);
   const int steps = simulated_steps(in, period);
-  std::vector<double> cursor(static_cast<size_t>(n), 0.0);     // each rank's compute clock
-  std::vector<double> net_free(static_cast<size_t>(n), 0.0);   // each rank's exchanges
-  std::vector<double> done(static_cast<size_t>(n) * nb, 0.0);  // last exchange of (rank, b)
-  std::vector<double> launch(static_cast<size_t>(n) * nb, 0.0);
-  double t_start = 0, wait = 0, comm = 0;
-  for (int t = 0; t < warm + steps; ++t) {
-    if (t == warm) {
-      t_start = *std::max_element(cursor.begin(), cursor.end());
-      wait = comm = 0;
-    }
-    const int s = topology.slot_index(t);
-    for (int r = 0; r < n; ++r) {
-      double& cur = cursor[static_cast<size_t>(r)];
-      cur += c.forward_ms + in.jitter_ms * unit_hash(r, t);
-      for (size_t b = 0; b < nb; ++b) {
-        cur += c.backward_ms[b];
-        const double d = t > 0 ? done[static_cast<size_t>(r) * nb + b] : 0.0;
-        if (d > cur) {
-          wait += d - cur;
-          cur = d;
-        }
-        cur += c.optimizer_ms[b];
-        launch[static_cast<size_t>(r) * nb + b] = cur;
-      }
-    }
-    // The exchanges of step t, bucket by bucket (launch order), group by group.
+  const int total = warm + steps;
+  // group_index[s][r]: the group of rank r in slot s.
+  std::vector<std::vector<int>> group_index(static_cast<size_t>(period),
+                                            std::vector<int>(static_cast<size_t>(n), 0));
+  for (int s = 0; s < period; ++s) {
     const Slot& slot = topology.slot(s);
-    for (size_t b = 0; b < nb; ++b) {
-      for (size_t gi = 0; gi < slot.size(); ++gi) {
-        const Group& g = slot[gi];
-        double start = 0;
-        for (int r : g.ranks) {
-          start = std::max(
-              {start, launch[static_cast<size_t>(r) * nb + b], net_free[static_cast<size_t>(r)]});
-        }
-        const double ms = group_ms[static_cast<size_t>(s) * nb + b][gi];
-        for (int r : g.ranks) {
-          done[static_cast<size_t>(r) * nb + b] = start + ms;
-          net_free[static_cast<size_t>(r)] = start + ms;
-        }
-        comm += ms * g.size();
+    for (size_t g = 0; g < slot.size(); ++g) {
+      for (int r : slot[g].ranks) {
+        group_index[static_cast<size_t>(s)][static_cast<size_t>(r)] = static_cast<int>(g);
       }
     }
-    if (in.shared_exchanges) {
-      // The step's exchanges are in flight together and share the links: each finishes
-      // about when the last one does (the same total work as one after another).
-      for (int r = 0; r < n; ++r) {
-        const double last = done[static_cast<size_t>(r) * nb + nb - 1];
-        for (size_t b = 0; b < nb; ++b) {
-          done[static_cast<size_t>(r) * nb + b] = last;
+  }
+  Simulation sim(n, topology.local_world_size(), in);
+  // The exchanges some members have launched and others not yet, by (step, bucket, group's
+  // first rank); the last exchange of each (rank, bucket); each rank's exchanges after the
+  // warm-up.
+  std::unordered_map<int64_t, int> open;
+  std::vector<int> last(static_cast<size_t>(n) * static_cast<size_t>(nb), -1);
+  std::vector<std::vector<int>> mine(static_cast<size_t>(n));
+  struct State {
+    int t = 0, b = 0;
+    bool launching = false;
+    double ready = 0;  // when bucket b's gradient is ready
+  };
+  std::vector<State> state(static_cast<size_t>(n));
+  std::vector<double> step_end(static_cast<size_t>(total), 0.0);
+  double wait = 0;
+  auto program = [&](int r) {
+    State& st = state[static_cast<size_t>(r)];
+    const size_t b = static_cast<size_t>(st.b);
+    if (!st.launching) {
+      // Bucket b is ready: wait for its exchange of the previous step, then update.
+      double resume = st.ready;
+      if (st.t > 0) {
+        const int prev = last[static_cast<size_t>(r) * static_cast<size_t>(nb) + b];
+        if (!sim.done(prev)) {
+          sim.wait_for(prev, r);
+          return;
         }
+        resume = std::max(resume, sim.done_at(prev));
       }
+      if (st.t >= warm) {
+        wait += resume - st.ready;
+      }
+      st.launching = true;
+      sim.schedule(r, resume + c.optimizer_ms[b]);
+      return;
+    }
+    // The update is done: launch the exchange of this step on slot t mod P.
+    const double now = sim.now();
+    const int s = topology.slot_index(st.t);
+    const Group& g = topology.slot(
+        s)[static_cast<size_t>(group_index[static_cast<size_t>(s)][static_cast<size_t>(r)])];
+    const int64_t key = (static_cast<int64_t>(st.t) * nb + st.b) * n + g.ranks.front();
+    auto it = open.find(key);
+    int id;
+    if (it == open.end()) {
+      id = sim.add_exchange(g.ranks, in.bucket_bytes[b]);
+      if (g.size() > 1) {
+        open.emplace(key, id);
+      }
+    } else {
+      id = it->second;
+    }
+    last[static_cast<size_t>(r) * static_cast<size_t>(nb) + b] = id;
+    if (st.t >= warm) {
+      mine[static_cast<size_t>(r)].push_back(id);
+    }
+    sim.launch(id);
+    if (sim.start_at(id) >= 0 && it != open.end()) {
+      open.erase(it);  // every member has launched it
+    }
+    st.launching = false;
+    if (st.b + 1 < nb) {
+      ++st.b;
+      st.ready = now + c.backward_ms[static_cast<size_t>(st.b)];
+    } else {
+      step_end[static_cast<size_t>(st.t)] = std::max(step_end[static_cast<size_t>(st.t)], now);
+      if (++st.t == total) {
+        return;
+      }
+      st.b = 0;
+      st.ready = now + c.forward_ms + in.jitter_ms * unit_hash(r, st.t) + c.backward_ms[0];
+    }
+    sim.schedule(r, st.ready);
+  };
+  for (int r = 0; r < n; ++r) {
+    state[static_cast<size_t>(r)].ready =
+        c.forward_ms + in.jitter_ms * unit_hash(r, 0) + c.backward_ms[0];
+    sim.schedule(r, state[static_cast<size_t>(r)].ready);
+  }
+  sim.run(program);
+  std::vector<std::vector<std::pair<double, double>>> spans(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    for (int id : mine[static_cast<size_t>(r)]) {
+      spans[static_cast<size_t>(r)].push_back({sim.start_at(id), sim.done_at(id)});
     }
   }
   Prediction p;
   p.name = topology.name();
-  p.step_ms = (*std::max_element(cursor.begin(), cursor.end()) - t_start) / steps;
+  p.step_ms =
+      (step_end[static_cast<size_t>(total - 1)] - step_end[static_cast<size_t>(warm - 1)]) / steps;
   p.wait_ms = wait / n / steps;
-  p.comm_ms = comm / n / steps;
+  p.comm_ms = busy_ms(spans, steps);
   p.compute_ms = in.compute_ms + in.optimizer_ms + in.jitter_ms / 2;
   return p;
 }
 
 Prediction predict_allreduce(int world_size, int local_world_size, const PlanInputs& in) {
   in.validate();
-  CompleteTopology complete(world_size, local_world_size);
+  if (world_size < 1 || local_world_size < 1 || local_world_size > world_size) {
+    throw InvalidArgument(fmt::format(
+        "plan: world_size must be >= 1 and local_world_size in [1, world_size], got {} and {}",
+        world_size, local_world_size));
+  }
   const int n = world_size;
   const Compute c = split(in);
-  const size_t nb = in.bucket_bytes.size();
-  const SlotTraffic traffic = slot_traffic(complete, 0, 1.0);
-  const Group& all = complete.slot(0).front();
+  const int nb = static_cast<int>(in.bucket_bytes.size());
   const int warm = 8;
   const int steps = simulated_steps(in, 1);
-  std::vector<double> cursor(static_cast<size_t>(n), 0.0);
-  double net_free = 0, t_start = 0, wait = 0, comm = 0;
-  for (int t = 0; t < warm + steps; ++t) {
-    if (t == warm) {
-      t_start = *std::max_element(cursor.begin(), cursor.end());
-      wait = comm = 0;
-    }
-    std::vector<double> ready(nb, 0.0);  // the last rank's readiness of each bucket
-    for (int r = 0; r < n; ++r) {
-      double cur = cursor[static_cast<size_t>(r)] + c.forward_ms + in.jitter_ms * unit_hash(r, t);
-      for (size_t b = 0; b < nb; ++b) {
-        cur += c.backward_ms[b];
-        ready[b] = std::max(ready[b], cur);
+  const int total = warm + steps;
+  std::vector<int> all(static_cast<size_t>(n));
+  std::iota(all.begin(), all.end(), 0);
+  Simulation sim(n, local_world_size, in);
+  std::vector<int> made(static_cast<size_t>(total) * static_cast<size_t>(nb),
+                        -1);  // (step, bucket)
+  struct State {
+    int t = 0, b = 0;
+    bool waiting = false;  // for the step's all-reduces, after the backward
+    double ready = 0;
+  };
+  std::vector<State> state(static_cast<size_t>(n));
+  std::vector<double> step_end(static_cast<size_t>(total), 0.0);
+  double wait = 0;
+  auto program = [&](int r) {
+    State& st = state[static_cast<size_t>(r)];
+    if (!st.waiting) {
+      // Bucket b's gradient is ready: launch its all-reduce.
+      int& id =
+          made[static_cast<size_t>(st.t) * static_cast<size_t>(nb) + static_cast<size_t>(st.b)];
+      if (id < 0) {
+        id = sim.add_exchange(all, in.bucket_bytes[static_cast<size_t>(st.b)]);
       }
-      cursor[static_cast<size_t>(r)] = cur;
-    }
-    for (size_t b = 0; b < nb; ++b) {
-      const double ms =
-          1e3 * ring_seconds(all, in.bucket_bytes[b], local_world_size, traffic.nic_flows_out, in);
-      net_free = std::max(net_free, ready[b]) + ms;
-      comm += ms;
-    }
-    for (int r = 0; r < n; ++r) {
-      double& cur = cursor[static_cast<size_t>(r)];
-      if (net_free > cur) {
-        wait += net_free - cur;
-        cur = net_free;
+      sim.launch(id);
+      if (st.b + 1 < nb) {
+        ++st.b;
+        sim.schedule(r, sim.now() + c.backward_ms[static_cast<size_t>(st.b)]);
+        return;
       }
-      cur += in.optimizer_ms;
+      st.waiting = true;
+      st.ready = sim.now();
+    }
+    // The backward is done: wait for every all-reduce of the step, then the optimizer.
+    double resume = st.ready;
+    for (int b = 0; b < nb; ++b) {
+      const int id =
+          made[static_cast<size_t>(st.t) * static_cast<size_t>(nb) + static_cast<size_t>(b)];
+      if (!sim.done(id)) {
+        sim.wait_for(id, r);
+        return;
+      }
+      resume = std::max(resume, sim.done_at(id));
+    }
+    if (st.t >= warm) {
+      wait += resume - st.ready;
+    }
+    const double end = resume + in.optimizer_ms;
+    step_end[static_cast<size_t>(st.t)] = std::max(step_end[static_cast<size_t>(st.t)], end);
+    st.waiting = false;
+    st.b = 0;
+    if (++st.t == total) {
+      return;
+    }
+    sim.schedule(r, end + c.forward_ms + in.jitter_ms * unit_hash(r, st.t) + c.backward_ms[0]);
+  };
+  for (int r = 0; r < n; ++r) {
+    sim.schedule(r, c.forward_ms + in.jitter_ms * unit_hash(r, 0) + c.backward_ms[0]);
+  }
+  sim.run(program);
+  std::vector<std::vector<std::pair<double, double>>> spans(1);
+  for (int t = warm; t < total; ++t) {
+    for (int b = 0; b < nb; ++b) {
+      const int id =
+          made[static_cast<size_t>(t) * static_cast<size_t>(nb) + static_cast<size_t>(b)];
+      spans[0].push_back({sim.start_at(id), sim.done_at(id)});
     }
   }
   Prediction p;
   p.name = "all-reduce";
-  p.step_ms = (*std::max_element(cursor.begin(), cursor.end()) - t_start) / steps;
+  p.step_ms =
+      (step_end[static_cast<size_t>(total - 1)] - step_end[static_cast<size_t>(warm - 1)]) / steps;
   p.wait_ms = wait / n / steps;
-  p.comm_ms = comm / steps;
+  p.comm_ms = busy_ms(spans, steps);
   p.compute_ms = in.compute_ms + in.optimizer_ms + in.jitter_ms / 2;
   return p;
 }

@@ -9,17 +9,19 @@
 //     the buckets' gradients become ready in turn (bucket b after its share of the backward,
 //     proportional to its bytes), plus a uniform extra of up to jitter_ms per rank and step
 //     at the start of the forward (from a (rank, step) seed).
-//   - Communication: an exchange of a group starts when every member has launched it and
-//     has finished its previous one's share of the link; the exchanges one rank launches in
-//     a step are all in flight together (the MPI backend progresses every operation at
-//     once), so they share the links and each finishes about when the last one does
-//     (shared_exchanges; false: one after another). A group of k runs a ring all-reduce
-//     (topology/traffic.h): 2 (k - 1) steps, each moving block / k over every ring edge at the
-//     edge's rate plus latency_us; an edge inside a node runs at intra_bw, an edge across
-//     nodes at min(flow_bw, inter_bw) when it is its node's only flow across in that slot, and
-//     at min(flow_bw, shared_efficiency * inter_bw / flows) when `flows` ranks of the node
-//     send across at once (they share the NIC; two TCP flows sharing a shaped link got 61-100%
-//     of one flow's rate together, varying from run to run: benchmarks/emulate/calibrate).
+//   - Communication: an exchange of a group starts when every member has launched it. A
+//     group of k runs a ring all-reduce (topology/traffic.h): every ring edge moves 2 (k - 1)
+//     / k of the block, plus latency_us for each of the 2 (k - 1) steps. The network is
+//     simulated as a fluid: every exchange in flight moves at the rate of its slowest edge,
+//     and rates change only when an exchange starts or ends. An edge inside a node runs at
+//     intra_bw. An edge across nodes is a flow out of one node's NIC and into another's: a
+//     NIC with one flow in flight gives it inter_bw, one with f > 1 flows in flight gives each
+//     shared_efficiency * inter_bw / f (the slower of the two ends, capped at flow_bw). Flows
+//     are counted from what is in flight at that instant, not per slot: exchanges of two
+//     steps overlap when one outlasts a step, and ranks that start late share less. Several
+//     exchanges on one edge (a step's buckets, all in flight together: the MPI backend
+//     progresses every operation at once) share it equally (shared_exchanges; false: the
+//     first one started gets the whole edge, one after another).
 //   - Gossip (DecentralizedDataParallel): when bucket b is ready at step t, the rank waits for
 //     bucket b's exchange of step t - 1, spends optimizer_ms * share_b on the update and
 //     launches the exchange of step t on slot t mod P (one step of look-ahead).
@@ -49,9 +51,8 @@ struct PlanInputs {
   double shared_efficiency = 1;  // (0, 1]: the NIC's share that several flows get together
   double latency_us = 0;         // per ring step
   int steps = 0;                 // simulated steps after the warm-up (0: 4 periods, >= 32)
-  // Gossip: the exchanges of one step are in flight together and share the links, so each
-  // finishes when the last one does (the MPI backend progresses every operation at once);
-  // false: one after another, each done as soon as its own work is.
+  // Exchanges in flight on one edge share it equally (the MPI backend progresses every
+  // operation at once); false: the first one started gets the whole edge, one after another.
   bool shared_exchanges = true;
 
   // Throws InvalidArgument naming the first field out of range.
@@ -61,7 +62,7 @@ struct PlanInputs {
 struct Prediction {
   std::string name;       // topology name, or "all-reduce"
   double step_ms = 0;     // mean time per step
-  double comm_ms = 0;     // mean time per step a rank's exchanges occupy the network
+  double comm_ms = 0;     // mean time per step a rank has an exchange in flight
   double wait_ms = 0;     // mean time per step a rank waits for an exchange
   double compute_ms = 0;  // the same step without communication
 };

@@ -510,12 +510,13 @@ TEST_CASE("planner: hand-computed step times", "[topology][planner]") {
     CHECK(buckets_of(10, 4, 16.0 / 1048576.0) == std::vector<double>{16, 16, 8});
   }
   SECTION("a step's exchanges sharing the links finish together") {
-    // ring on 2 nodes of 2, two buckets of 2 MB: across, each bucket's pair exchange takes
-    // 2 x 1 MB / 50 MB/s = 40 ms. One after another the first is done 40 ms after its
-    // launch; sharing the link both are done 80 ms after the first launch, so the next
-    // step's first update waits longer. With one bucket the two models agree.
+    // ring on 2 nodes of 2, buckets of 3 MB and 1 MB: across, two flows share each NIC
+    // (50 MB/s per pair). One after another, the first bucket is done 60 ms after its launch
+    // and the second 20 ms later. Sharing the pair's link, the small one finishes first and
+    // the large one only with the whole 80 ms, so the next step's first update waits longer.
+    // With one bucket the two models agree.
     in.compute_ms = 50;
-    in.bucket_bytes = {2e6, 2e6};
+    in.bucket_bytes = {3e6, 1e6};
     auto t = make_topology("ring", 4, 2);
     const double shared = predict_gossip(*t, in).step_ms;
     in.shared_exchanges = false;
@@ -525,6 +526,31 @@ TEST_CASE("planner: hand-computed step times", "[topology][planner]") {
     const double one_fifo = predict_gossip(*t, in).step_ms;
     in.shared_exchanges = true;
     CHECK(predict_gossip(*t, in).step_ms == Approx(one_fifo));
+  }
+  SECTION("flows are counted while they are in flight, not per slot") {
+    // Slot 0 pairs 0 and 2 across (1 and 3 alone), slot 1 pairs 1 and 3 across. Each slot has
+    // one flow per NIC, but an 8 MB exchange (80 ms alone at 100 MB/s) outlasts the 50 ms
+    // step, so the next slot's pair starts while it runs and the two share the NIC (50 MB/s
+    // each). Steady state, for every pair: 5 MB alone (50 ms), 3 MB sharing (60 ms) while
+    // the other pair moves its first 3 MB, then 50 ms for the other pair's last 5 MB; the
+    // pair launches again then: 160 ms per two steps. Busy 110 ms of them; the rank whose
+    // exchange ran waits 60 ms in the step after it.
+    register_topology("staggered", SlotsFn([](int, int) {
+                        return std::vector<Slot>{
+                            Slot{Group{{0, 2}, 0.5}, Group{{1}, 1.0}, Group{{3}, 1.0}},
+                            Slot{Group{{1, 3}, 0.5}, Group{{0}, 1.0}, Group{{2}, 1.0}}};
+                      }));
+    auto t = make_topology("staggered", 4, 2);
+    in.compute_ms = 50;
+    in.bucket_bytes = {8e6};
+    const Prediction g = predict_gossip(*t, in);
+    CHECK(g.step_ms == Approx(80.0));
+    CHECK(g.comm_ms == Approx(55.0));
+    CHECK(g.wait_ms == Approx(30.0));
+    // With a longer step the exchanges never overlap: 80 ms each, hidden behind 100 ms.
+    in.compute_ms = 100;
+    CHECK(predict_gossip(*t, in).step_ms == Approx(100.0));
+    CHECK(predict_gossip(*t, in).comm_ms == Approx(40.0));
   }
   SECTION("bad inputs are named") {
     in.compute_ms = 10;
