@@ -11,8 +11,21 @@ leftovers() {
 }
 before="$(leftovers)"
 
-out="$("$cluster" --nodes 2 --ranks-per-node 1 --rate 1gbit -- \
-  sh -c "\$EMU_MPIRUN -n 2 '$build/bin/gossip_bench' -b 1M -e 1M -n 3 -w 1 -t ring" 2>&1)"
+# Every link of the run (2 nodes x 2 directions) holds at most 20 ms of queue: counted on
+# the host side (hN) and the node side (eth0 in node N's namespace) of each node's link.
+queue_check="$(mktemp)"
+trap 'rm -f "$queue_check"' EXIT
+cat >"$queue_check" <<'SH'
+links=0
+while read -r ns _; do
+  i="${ns##*n}"
+  tc qdisc show dev "${ns%n*}h$i" | grep -q ' lat 20ms' && links=$((links + 1))
+  ip netns exec "$ns" tc qdisc show dev eth0 | grep -q ' lat 20ms' && links=$((links + 1))
+done <"$EMU_HOSTFILE"
+echo "links with a 20 ms queue: $links"
+SH
+out="$("$cluster" --nodes 2 --ranks-per-node 1 --rate 1gbit --queue-ms 20 -- \
+  sh -c "sh '$queue_check' && \$EMU_MPIRUN -n 2 '$build/bin/gossip_bench' -b 1M -e 1M -n 3 -w 1 -t ring" 2>&1)"
 rc=$?
 if [ "$rc" -eq 77 ]; then
   echo "$out"
@@ -21,6 +34,10 @@ fi
 echo "$out" | grep -v "setpgid"
 if [ "$rc" -ne 0 ]; then
   echo "FAIL: gossip_bench across 2 emulated nodes exited with $rc"
+  exit 1
+fi
+if ! echo "$out" | grep -q '^links with a 20 ms queue: 4$'; then
+  echo "FAIL: --queue-ms 20 did not give all 4 links (2 host-side, 2 node-side) a 20 ms queue"
   exit 1
 fi
 # The 1 MiB row of slot 0 (the pair [0,1], across the two nodes), no wrong elements.
@@ -46,6 +63,11 @@ fi
 "$cluster" --nodes 0 -- true 2>/dev/null
 if [ $? -ne 2 ]; then
   echo "FAIL: --nodes 0 is not refused"
+  exit 1
+fi
+"$cluster" --queue-ms 0 -- true 2>/dev/null
+if [ $? -ne 2 ]; then
+  echo "FAIL: --queue-ms 0 is not refused"
   exit 1
 fi
 echo "emulated cluster: run, failing command and teardown OK"
