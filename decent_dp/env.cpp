@@ -64,18 +64,29 @@ int64_t progress_interval_us() {
   return value;
 }
 
+namespace {
+
+bool read_switch(const char* name) {
+  const std::string text = read(name);
+  if (text.empty() || text == "1") {
+    return true;
+  }
+  if (text == "0") {
+    return false;
+  }
+  throw InvalidArgument(
+      detail::cat("environment variable ", name, " must be 0 or 1, got '", text, "'"));
+}
+
+}  // namespace
+
 bool shared_memory() {
-  static const bool value = [] {
-    const std::string text = read("DECENT_DP_SHM");
-    if (text.empty() || text == "1") {
-      return true;
-    }
-    if (text == "0") {
-      return false;
-    }
-    throw InvalidArgument(
-        detail::cat("environment variable DECENT_DP_SHM must be 0 or 1, got '", text, "'"));
-  }();
+  static const bool value = read_switch("DECENT_DP_SHM");
+  return value;
+}
+
+bool node_aware() {
+  static const bool value = read_switch("DECENT_DP_NODE_AWARE");
   return value;
 }
 

@@ -11,6 +11,9 @@
 //                                while nobody waits, in microseconds        (default 50)
 //   DECENT_DP_SHM                1 | 0: ranks of one node exchange the wrappers' buffers
 //                                through shared memory (default 1; the same on every rank)
+//   DECENT_DP_NODE_AWARE         1 | 0: groups spread evenly over several nodes all-reduce
+//                                inside each node first (Note [node-aware all-reduce];
+//                                default 1; the same on every rank)
 //
 // Options structs take precedence only when their fields are set explicitly; the
 // environment supplies the defaults.
@@ -31,6 +34,7 @@ int64_t shutdown_timeout_ms();
 int64_t stall_warn_ms();
 int64_t progress_interval_us();
 bool shared_memory();
+bool node_aware();
 
 }  // namespace env
 }  // namespace decent_dp

@@ -224,10 +224,13 @@ struct MpiCommunicator::Impl {
   std::vector<int> node_of;      // per world rank: the world rank of its node's first rank
   bool shared_memory = false;
   int64_t shared_memory_min_bytes = 0;
+  int64_t node_aware_min_bytes = -1;
+  int ranks_per_node = 0;
   detail::PeerSegmentCache peers;  // engine token holder only
   std::atomic<bool> warned_allocation{false};
   std::atomic<uint64_t> ring_allreduces{0};
   std::atomic<uint64_t> shared_allreduces{0};
+  std::atomic<uint64_t> node_aware_allreduces{0};
   std::atomic<uint64_t> allreduce_bytes_sent{0};
   std::atomic<uint64_t> allreduce_bytes_received{0};
   std::atomic<uint64_t> p2p_allgathers{0};
@@ -508,6 +511,15 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
                    : std::chrono::microseconds(env::progress_interval_us());
   d.shared_memory = options.shared_memory < 0 ? env::shared_memory() : options.shared_memory != 0;
   d.shared_memory_min_bytes = std::max<int64_t>(0, options.shared_memory_min_bytes);
+  const bool node_aware = options.node_aware < 0 ? env::node_aware() : options.node_aware != 0;
+  DECENT_DP_CHECK_ARG(options.node_aware_min_bytes >= 0,
+                      "MpiCommunicator: MpiOptions::node_aware_min_bytes must be >= 0 (node_aware "
+                      "= 0 turns the path off), got ", options.node_aware_min_bytes);
+  d.node_aware_min_bytes = node_aware ? options.node_aware_min_bytes : -1;
+  DECENT_DP_CHECK_ARG(options.ranks_per_node >= 0,
+                      "MpiCommunicator: MpiOptions::ranks_per_node must be >= 0 (0: nodes as MPI "
+                      "finds them), got ", options.ranks_per_node);
+  d.ranks_per_node = options.ranks_per_node;
   acquire_mpi();
   d.engine = std::make_shared<detail::ProgressEngine>(
       d.interval, std::chrono::milliseconds(env::shutdown_timeout_ms()), detail::mpi_world_rank());
@@ -544,18 +556,48 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
       d.node_of.assign(d.size, -1);
       DECENT_DP_MPI_CHECK(
           MPI_Allgather(&leader, 1, MPI_INT, d.node_of.data(), 1, MPI_INT, d.world));
-      // The transport choice must agree (Note [shared-memory transport]): every rank sees
-      // the same table and fails the same way.
-      const int64_t mine[2] = {d.shared_memory ? 1 : 0, d.shared_memory_min_bytes};
-      std::vector<int64_t> all(2 * static_cast<size_t>(d.size));
-      DECENT_DP_MPI_CHECK(MPI_Allgather(mine, 2, MPI_INT64_T, all.data(), 2, MPI_INT64_T, d.world));
+      // The transport choices must agree (Note [shared-memory transport], Note [node-aware
+      // all-reduce]): every rank sees the same table and fails the same way.
+      constexpr int kSettings = 4;
+      const int64_t mine[kSettings] = {d.shared_memory ? 1 : 0, d.shared_memory_min_bytes,
+                                       d.node_aware_min_bytes, d.ranks_per_node};
+      std::vector<int64_t> all(kSettings * static_cast<size_t>(d.size));
+      DECENT_DP_MPI_CHECK(MPI_Allgather(mine, kSettings, MPI_INT64_T, all.data(), kSettings,
+                                        MPI_INT64_T, d.world));
       for (int r = 1; r < d.size; ++r) {
-        if (all[2 * r] != all[0] || all[2 * r + 1] != all[1]) {
+        const int64_t* theirs = &all[kSettings * static_cast<size_t>(r)];
+        if (theirs[0] != all[0] || theirs[1] != all[1]) {
           throw InvalidArgument(cat(
               "MpiCommunicator: shared-memory settings must be the same on every rank (MpiOptions::"
               "shared_memory / DECENT_DP_SHM and shared_memory_min_bytes): rank 0 has ",
-              all[0], " / ", all[1], ", rank ", r, " has ", all[2 * r], " / ", all[2 * r + 1]));
+              all[0], " / ", all[1], ", rank ", r, " has ", theirs[0], " / ", theirs[1]));
         }
+        if (theirs[2] != all[2] || theirs[3] != all[3]) {
+          throw InvalidArgument(cat(
+              "MpiCommunicator: the node-aware all-reduce's settings (MpiOptions::node_aware / "
+              "DECENT_DP_NODE_AWARE and node_aware_min_bytes; -1: off) and ranks_per_node must "
+              "be the same on every rank: rank 0 has ", all[2], " and ", all[3], ", rank ", r,
+              " has ", theirs[2], " and ", theirs[3]));
+        }
+      }
+      if (d.ranks_per_node > 0) {
+        const int per = d.ranks_per_node;
+        if (d.size % per != 0) {
+          throw InvalidArgument(cat("MpiCommunicator: MpiOptions::ranks_per_node must divide the "
+                                    "world size ", d.size, ", got ", per));
+        }
+        for (int r = 0; r < d.size; ++r) {
+          if (d.node_of[r] != d.node_of[r - r % per]) {
+            throw InvalidArgument(cat("MpiCommunicator: MpiOptions::ranks_per_node = ", per,
+                                      " puts ranks ", r - r % per, " and ", r,
+                                      " on one node, but they run on different machines"));
+          }
+        }
+        for (int r = 0; r < d.size; ++r) {
+          d.node_of[r] = r - r % per;
+        }
+        d.local_rank = d.rank % per;
+        d.local_size = per;
       }
     });
   } catch (...) {
@@ -737,6 +779,17 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
   const bool try_shared =
       d.shared_memory && d.same_node(ranks) &&
       numel * static_cast<int64_t>(tensor.element_size()) >= d.shared_memory_min_bytes;
+  // Note [node-aware all-reduce]: the node of each member when the group qualifies.
+  std::vector<int> nodes;
+  if (d.node_aware_min_bytes >= 0 &&
+      numel * static_cast<int64_t>(tensor.element_size()) >= d.node_aware_min_bytes) {
+    for (int r : ranks) {
+      nodes.push_back(d.node_of[static_cast<size_t>(r)]);
+    }
+    if (!detail::NodeAwareAllreduce::applies(nodes)) {
+      nodes.clear();
+    }
+  }
   // Note [operation header]: what every member compares before any payload moves.
   const detail::OpHeader header = detail::make_op_header(
       detail::OpKind::kAllreduce, static_cast<int32_t>(op), numel, dtype, -1, options.label,
@@ -750,12 +803,14 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
   detail::PeerSegmentCache* peers = &d.peers;
   std::atomic<uint64_t>* counter_ring = &d.ring_allreduces;
   std::atomic<uint64_t>* counter_shared = &d.shared_allreduces;
+  std::atomic<uint64_t>* counter_node_aware = &d.node_aware_allreduces;
   std::atomic<uint64_t>* counter_sent = &d.allreduce_bytes_sent;
   std::atomic<uint64_t>* counter_received = &d.allreduce_bytes_received;
   MpiWork* started = work.get();
   d.watch(*work, group);
-  Next next = [state, engine, peers, counter_ring, counter_shared, counter_sent, counter_received,
-               group, input, data, numel, dtype, average, try_shared, started, header] {
+  Next next = [state, engine, peers, counter_ring, counter_shared, counter_node_aware, counter_sent,
+               counter_received, group, input, data, numel, dtype, average, try_shared, started,
+               header, nodes = std::move(nodes)] {
     auto& reduce = *state;
     if (!reduce) {
       const int64_t sequence = group->sequence;
@@ -763,11 +818,13 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
       const int tag = static_cast<int>(group->sequence++ % 32768u);
       reduce = std::make_unique<detail::ShmAllreduce>(
           input, data, numel, dtype, average, group->comm, group->index, group->size, tag,
-          engine->scratch(), *peers, header, try_shared, group->ranks, sequence);
+          engine->scratch(), *peers, header, try_shared, group->ranks, sequence, nodes);
     }
     std::vector<MPI_Request> requests = reduce->next();
     if (requests.empty()) {
-      (reduce->fell_back() ? counter_ring : counter_shared)->fetch_add(1);
+      (reduce->node_aware() ? counter_node_aware
+                            : reduce->fell_back() ? counter_ring : counter_shared)
+          ->fetch_add(1);
       counter_sent->fetch_add(static_cast<uint64_t>(reduce->bytes_sent()));
       counter_received->fetch_add(static_cast<uint64_t>(reduce->bytes_received()));
       reduce.reset();  // returns the scratch buffer to the pool
@@ -983,6 +1040,7 @@ MpiStats MpiCommunicator::stats() const {
   MpiStats out;
   out.ring_allreduces = impl_->ring_allreduces.load();
   out.shared_memory_allreduces = impl_->shared_allreduces.load();
+  out.node_aware_allreduces = impl_->node_aware_allreduces.load();
   out.allreduce_bytes_sent = impl_->allreduce_bytes_sent.load();
   out.allreduce_bytes_received = impl_->allreduce_bytes_received.load();
   out.p2p_allgathers = impl_->p2p_allgathers.load();

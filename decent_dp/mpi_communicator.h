@@ -21,10 +21,12 @@ namespace decent_dp {
 struct MpiStats {
   uint64_t ring_allreduces = 0;           // over MPI point-to-point messages
   uint64_t shared_memory_allreduces = 0;  // through shared memory
+  uint64_t node_aware_allreduces = 0;     // Note [node-aware all-reduce], over MPI messages
   // Payload bytes of those all-reduces that this rank sent to and received from its group:
   // MPI messages of the ring, and for the shared-memory path the bytes peers read of this
   // rank's buffers and this rank read of theirs. Both are 2 (k-1)/k of the buffer per
-  // all-reduce over k ranks.
+  // all-reduce over k ranks (for the node-aware path: its three phases' messages, inside the
+  // node and across).
   uint64_t allreduce_bytes_sent = 0;
   uint64_t allreduce_bytes_received = 0;
   // Group all-gathers of more than one rank (Note [group all-gather]) by transport, and the
@@ -47,6 +49,20 @@ struct MpiOptions {
   // All-reduces below this many bytes take the ring even when shared memory is available
   // (the shared-memory protocol costs one more round of messages).
   int64_t shared_memory_min_bytes = 64 << 10;
+  // All-reduces of a group spread over g >= 2 nodes with the same number (>= 2) of its
+  // members on each reduce inside each node first (Note [node-aware all-reduce]: 2 (g-1)/g of
+  // the buffer out of each NIC instead of 2 (k-1)/k): 1 on, 0 off (every group takes the flat
+  // ring), -1 takes DECENT_DP_NODE_AWARE (default on). Must agree across ranks.
+  int node_aware = -1;
+  // All-reduces below this many bytes take the flat ring even where the node-aware one
+  // applies (it costs more steps). Must agree across ranks.
+  int64_t node_aware_min_bytes = 64 << 10;
+  // 0: nodes as MPI finds them (MPI_COMM_TYPE_SHARED). N > 0: every block of N consecutive
+  // ranks is one node (local_rank(), local_size(), the shared-memory transport and the
+  // node-aware all-reduce follow it), e.g. to try a multi-node layout on one machine. N
+  // must divide the world size, each block must lie on one machine, and N must agree
+  // across ranks.
+  int ranks_per_node = 0;
 };
 
 class MpiCommunicator final : public Communicator {

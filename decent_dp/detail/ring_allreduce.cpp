@@ -10,6 +10,7 @@
 #include "decent_dp/detail/multiversion.h"
 #include "decent_dp/detail/progress_engine.h"
 #include "decent_dp/errors.h"
+#include "decent_dp/topology/traffic.h"
 
 namespace decent_dp {
 namespace detail {
@@ -111,19 +112,41 @@ void add_out(void* out, const void* a, const void* b, int64_t n, c10::ScalarType
   }
 }
 
+namespace {
+std::vector<int> iota_ring(int size) {
+  std::vector<int> ring(static_cast<size_t>(size));
+  for (int i = 0; i < size; ++i) {
+    ring[static_cast<size_t>(i)] = i;
+  }
+  return ring;
+}
+}  // namespace
+
 RingAllreduce::RingAllreduce(const char* input, char* output, int64_t numel, c10::ScalarType dtype,
                              bool average, MPI_Comm comm, int index, int size, int tag,
                              ScratchPool& pool)
+    : RingAllreduce(input, output, numel, dtype, average ? size : 1, comm, iota_ring(size), index,
+                    tag, pool) {}
+
+RingAllreduce::RingAllreduce(const char* input, char* output, int64_t numel, c10::ScalarType dtype,
+                             int64_t divisor, MPI_Comm comm, std::vector<int> ring, int position,
+                             int tag, ScratchPool& pool, RingPart part)
     : input_(input),
       data_(output),
-      average_(average),
+      divisor_(divisor),
       element_size_(static_cast<int64_t>(c10::elementSize(dtype))),
       dtype_(dtype),
       comm_(comm),
-      index_(index),
-      size_(size),
+      ring_(std::move(ring)),
+      index_(position),
+      size_(static_cast<int>(ring_.size())),
       tag_(tag),
       pool_(pool) {
+  if (size_ < 1 || index_ < 0 || index_ >= size_ || divisor_ < 1) {
+    throw InvalidArgument(cat("RingAllreduce: position must be in [0, ", size_ - 1,
+                              "] of a non-empty ring and divisor >= 1, got position ", index_,
+                              " and divisor ", divisor_));
+  }
   offsets_.resize(size_ + 1);
   const int64_t base = numel / size_;
   const int64_t extra = numel % size_;
@@ -137,7 +160,11 @@ RingAllreduce::RingAllreduce(const char* input, char* output, int64_t numel, c10
                               " bytes exceeds what one MPI message can carry (", INT_MAX,
                               "); reduce the tensor size or use a larger group"));
   }
-  scratch_ = pool_.acquire(static_cast<size_t>(max_chunk * element_size_));
+  step_ = part == RingPart::kAllGather ? size_ - 1 : 0;
+  end_step_ = part == RingPart::kReduceScatter ? size_ - 1 : 2 * (size_ - 1);
+  if (part != RingPart::kAllGather) {
+    scratch_ = pool_.acquire(static_cast<size_t>(max_chunk * element_size_));
+  }
 }
 
 RingAllreduce::~RingAllreduce() {
@@ -149,19 +176,19 @@ std::vector<MPI_Request> RingAllreduce::next() {
   if (pending_chunk_ >= 0) {
     // output[c] = input[c] + received (the first time chunk c is reduced on this rank). The
     // last reduce-scatter step completes the chunk this rank owns, chunk (index + 1) mod k:
-    // with `average_` it is divided in the same pass, before it is passed around, so each
-    // rank divides 1/k of the buffer and every member gets the same bits.
+    // with a divisor (k when averaging) it is divided in the same pass, before it is passed
+    // around, so each rank divides 1/k of the buffer and every member gets the same bits.
     const int64_t offset = chunk_begin(pending_chunk_) * element_size_;
     const bool owned = step_ == k - 1;
     add_out(data_ + offset, input_ + offset, scratch_.data.get(), chunk_size(pending_chunk_),
-            dtype_, owned && average_ ? k : 1);
+            dtype_, owned ? divisor_ : 1);
     pending_chunk_ = -1;
   }
-  if (step_ >= 2 * (k - 1)) {
+  if (step_ >= end_step_) {
     return {};
   }
-  const int right = (index_ + 1) % k;
-  const int left = (index_ - 1 + k) % k;
+  const int right = ring_[static_cast<size_t>((index_ + 1) % k)];
+  const int left = ring_[static_cast<size_t>((index_ - 1 + k) % k)];
   int send_chunk, recv_chunk;
   char* recv_into;
   const char* send_from;
@@ -190,6 +217,85 @@ std::vector<MPI_Request> RingAllreduce::next() {
   DECENT_DP_MPI_CHECK(MPI_Isend(send_from, static_cast<int>(chunk_size(send_chunk) * element_size_),
                                 MPI_BYTE, right, tag_, comm_, &requests[1]));
   return {requests[0], requests[1]};
+}
+
+bool NodeAwareAllreduce::applies(const std::vector<int>& nodes) {
+  return topology::node_aware_shape(nodes).nodes > 0;
+}
+
+NodeAwareAllreduce::NodeAwareAllreduce(const char* input, char* output, int64_t numel,
+                                       c10::ScalarType dtype, bool average, MPI_Comm comm,
+                                       int index, const std::vector<int>& nodes, int tag,
+                                       ScratchPool& pool)
+    : input_(input),
+      output_(output),
+      numel_(numel),
+      dtype_(dtype),
+      average_(average),
+      comm_(comm),
+      tag_(tag),
+      pool_(pool),
+      element_size_(static_cast<int64_t>(c10::elementSize(dtype))),
+      size_(static_cast<int>(nodes.size())) {
+  if (!applies(nodes) || index < 0 || index >= size_) {
+    throw InvalidArgument(cat("NodeAwareAllreduce: needs >= 2 nodes of the same number (>= 2) of "
+                              "members and index in [0, ", size_ - 1, "], got ", size_,
+                              " members and index ", index));
+  }
+  const topology::NodeLayout layout = topology::node_layout(nodes, index);
+  local_ = layout.local;
+  local_index_ = layout.local_index;
+  across_ = layout.across;
+  across_index_ = layout.across_index;
+  // The chunk phase 1 leaves reduced here: RingAllreduce's chunk (position + 1) mod l, with
+  // its chunk sizes (the first numel mod l chunks one element longer).
+  const int64_t l = static_cast<int64_t>(local_.size());
+  const int64_t c = (local_index_ + 1) % l;
+  const int64_t base = numel / l, extra = numel % l;
+  chunk_begin_ = c * base + std::min(c, extra);
+  chunk_numel_ = base + (c < extra ? 1 : 0);
+}
+
+int64_t NodeAwareAllreduce::bytes_sent() const {
+  return done_sent_ + (ring_ ? ring_->bytes_sent() : 0);
+}
+
+int64_t NodeAwareAllreduce::bytes_received() const {
+  return done_received_ + (ring_ ? ring_->bytes_received() : 0);
+}
+
+std::vector<MPI_Request> NodeAwareAllreduce::next() {
+  for (;;) {
+    if (ring_) {
+      std::vector<MPI_Request> requests = ring_->next();
+      if (!requests.empty()) {
+        return requests;
+      }
+      done_sent_ += ring_->bytes_sent();
+      done_received_ += ring_->bytes_received();
+      ring_.reset();
+    }
+    switch (phase_++) {
+      case 0:  // 1. the node's sum of this rank's chunk
+        ring_ = std::make_unique<RingAllreduce>(input_, output_, numel_, dtype_, 1, comm_, local_,
+                                                local_index_, tag_, pool_,
+                                                RingPart::kReduceScatter);
+        continue;
+      case 1: {  // 2. that chunk across the nodes
+        char* chunk = output_ + chunk_begin_ * element_size_;
+        ring_ = std::make_unique<RingAllreduce>(chunk, chunk, chunk_numel_, dtype_,
+                                                average_ ? size_ : 1, comm_, across_,
+                                                across_index_, tag_, pool_);
+        continue;
+      }
+      case 2:  // 3. the finished chunks, inside the node
+        ring_ = std::make_unique<RingAllreduce>(output_, output_, numel_, dtype_, 1, comm_, local_,
+                                                local_index_, tag_, pool_, RingPart::kAllGather);
+        continue;
+      default:
+        return {};
+    }
+  }
 }
 
 }  // namespace detail

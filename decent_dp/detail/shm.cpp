@@ -209,7 +209,8 @@ std::shared_ptr<PeerSegment> PeerSegmentCache::get(const std::string& name) {
 ShmAllreduce::ShmAllreduce(const char* input, char* output, int64_t numel, c10::ScalarType dtype,
                            bool average, MPI_Comm comm, int index, int size, int tag,
                            ScratchPool& pool, PeerSegmentCache& peers, const OpHeader& header,
-                           bool try_shared, const std::vector<int>& ranks, int64_t sequence)
+                           bool try_shared, const std::vector<int>& ranks, int64_t sequence,
+                           std::vector<int> nodes)
     : input_(input),
       output_(output),
       numel_(numel),
@@ -224,7 +225,8 @@ ShmAllreduce::ShmAllreduce(const char* input, char* output, int64_t numel, c10::
       element_size_(static_cast<int64_t>(c10::elementSize(dtype))),
       mine_(header),
       ranks_(ranks),
-      sequence_(sequence) {
+      sequence_(sequence),
+      nodes_(std::move(nodes)) {
   offsets_.resize(size_ + 1);
   const int64_t base = numel / size_;
   const int64_t extra = numel % size_;
@@ -269,16 +271,25 @@ int64_t ShmAllreduce::bytes_sent() const {
   if (ring_) {
     return ring_->bytes_sent();
   }
+  if (node_aware_) {
+    return node_aware_->bytes_sent();
+  }
   return (numel_ - chunk_size(index_) + (size_ - 1) * chunk_size(index_)) * element_size_;
 }
 
 int64_t ShmAllreduce::bytes_received() const {
+  if (node_aware_) {
+    return node_aware_->bytes_received();
+  }
   return ring_ ? ring_->bytes_received() : bytes_sent();
 }
 
 std::vector<MPI_Request> ShmAllreduce::next() {
   if (ring_) {
     return ring_->next();
+  }
+  if (node_aware_) {
+    return node_aware_->next();
   }
   switch (stage_++) {
     case 0:
@@ -292,7 +303,13 @@ std::vector<MPI_Request> ShmAllreduce::next() {
       }
       if (!shared) {
         // Some member's buffers are private: every member sees the same descriptors and
-        // takes the ring.
+        // takes the ring, or the node-aware path where the caller found one.
+        if (!nodes_.empty()) {
+          node_aware_ = std::make_unique<NodeAwareAllreduce>(input_, output_, numel_, dtype_,
+                                                             average_, comm_, index_, nodes_, tag_,
+                                                             pool_);
+          return node_aware_->next();
+        }
         ring_ = std::make_unique<RingAllreduce>(input_, output_, numel_, dtype_, average_, comm_,
                                                 index_, size_, tag_, pool_);
         return ring_->next();

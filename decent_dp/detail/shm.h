@@ -77,20 +77,23 @@ class PeerSegmentCache {
 };
 
 // An all-reduce: the header stage (Note [operation header]), then Note [shared-memory
-// transport] when `try_shared` and every member's buffers are shared, RingAllreduce
-// otherwise. `header` describes the operation (its shared-memory fields are filled here);
+// transport] when `try_shared` and every member's buffers are shared; otherwise
+// NodeAwareAllreduce when `nodes` (the node of each member) is not empty, RingAllreduce when
+// it is. `header` describes the operation (its shared-memory fields are filled here);
 // `ranks` are the group's members and `sequence` the operation's number there, for errors.
 class ShmAllreduce {
  public:
   ShmAllreduce(const char* input, char* output, int64_t numel, c10::ScalarType dtype, bool average,
                MPI_Comm comm, int index, int size, int tag, ScratchPool& pool,
                PeerSegmentCache& peers, const OpHeader& header, bool try_shared,
-               const std::vector<int>& ranks, int64_t sequence);
+               const std::vector<int>& ranks, int64_t sequence, std::vector<int> nodes = {});
 
   // As RingAllreduce::next().
   std::vector<MPI_Request> next();
-  // True once the members agreed to take the ring instead.
-  bool fell_back() const { return ring_ != nullptr; }
+  // True once the members agreed to take messages instead (the ring or the node-aware path).
+  bool fell_back() const { return ring_ != nullptr || node_aware_ != nullptr; }
+  // True once the members took Note [node-aware all-reduce].
+  bool node_aware() const { return node_aware_ != nullptr; }
   // Payload bytes moved between this rank and its peers once complete: what the peers read
   // of this rank's buffers (sent) and what this rank read of theirs (received); the ring's
   // messages after a fall-back. Descriptors and completion signals are not counted.
@@ -126,6 +129,8 @@ class ShmAllreduce {
   std::vector<int32_t> signal_in_;
   int32_t signal_out_ = 1;
   std::unique_ptr<RingAllreduce> ring_;
+  std::vector<int> nodes_;
+  std::unique_ptr<NodeAwareAllreduce> node_aware_;
 };
 
 }  // namespace detail

@@ -297,6 +297,66 @@ TEST_CASE("classic all-reduce equals one process on the union of the batches", "
   CHECK(model.updates() == 10);
 }
 
+TEST_CASE("the node-aware all-reduce trains as the simulator and as one process", "[ddp]") {
+  // Note [node-aware all-reduce] through both wrappers: MpiOptions::ranks_per_node = 2 makes
+  // pairs of ranks nodes on this machine, and every bucket (512 bytes) takes the path.
+  const int n = comm().size();
+  const int rank = comm().rank();
+  if (n < 4 || n % 2 != 0)
+    return;
+  MpiOptions o;
+  o.node_aware = 1;
+  o.node_aware_min_bytes = 0;
+  o.ranks_per_node = 2;
+  auto nodes = std::make_shared<MpiCommunicator>(o);
+  auto factory = optim::adamw(adamw_lr(1e-2));
+  std::vector<std::pair<std::string, int>> topologies = {{"complete", 1}};
+  if (power_of_two(n / 2))
+    topologies.push_back({"aer", 2});  // groups of two nodes
+  for (const auto& [name, lws] : topologies) {
+    INFO("rank " << rank << " topology " << name);
+    auto net = make_mlp();
+    const auto before = nodes->stats();
+    {
+      DecentralizedDataParallel<torch::nn::Sequential> model(net, small_buckets(name, lws),
+                                                             factory, nullptr, nodes);
+      for (int step = 0; step < 12; ++step) {
+        auto b = batch_for(false, rank, step);
+        torch::mse_loss(model.forward(b.x), b.y).backward();
+      }
+      model.synchronize();
+    }
+    CHECK(nodes->stats().node_aware_allreduces > before.node_aware_allreduces);
+    testing::Simulator sim([] { return make_mlp().ptr(); }, n, name, lws, factory, nullptr);
+    for (int step = 0; step < 12; ++step)
+      sim.step(mlp_loss, step);
+    check_matches(*net, sim.model(rank), 1e-5);
+  }
+  // All-reduce of gradients: one process on the union of the batches.
+  auto net = make_mlp();
+  DistributedDataParallel<torch::nn::Sequential> model(net, small_buckets("complete", 1),
+                                                       optim::sgd(sgd_lr(0.1)), nullptr, nodes);
+  auto single = make_mlp();
+  torch::optim::SGD reference(single->parameters(), torch::optim::SGDOptions(0.1));
+  const auto before = nodes->stats();
+  for (int step = 0; step < 6; ++step) {
+    auto b = batch_for(false, rank, step);
+    torch::mse_loss(model.forward(b.x), b.y).backward();
+    std::vector<at::Tensor> xs, ys;
+    for (int r = 0; r < n; ++r) {
+      auto br = batch_for(false, r, step);
+      xs.push_back(br.x);
+      ys.push_back(br.y);
+    }
+    reference.zero_grad();
+    torch::mse_loss(single->forward(torch::cat(xs)), torch::cat(ys)).backward();
+    reference.step();
+  }
+  model.synchronize();
+  CHECK(nodes->stats().node_aware_allreduces > before.node_aware_allreduces);
+  check_matches(*net, *single, 1e-5);
+}
+
 TEST_CASE("four micro-batches under no_sync equal one big-batch update", "[ddp]") {
   const int rank = comm().rank();
   auto factory = optim::adam(adam_lr(1e-2));

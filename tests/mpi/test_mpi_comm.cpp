@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <thread>
 
 #include "decent_dp/detail/progress_engine.h"
@@ -526,6 +527,198 @@ TEST_CASE("shared-memory settings that differ across ranks are one clear error",
   CHECK_THROWS_WITH(MpiCommunicator(shm_options(1, comm().rank() == 0 ? 0 : 4096)),
                     Catch::Contains("rank 0 has 1 / 0, rank 1 has 1 / 4096"));
   MpiCommunicator fine(shm_options(1, 0));  // and communicators still work afterwards
+  fine.barrier();
+}
+
+// Note [node-aware all-reduce], on one machine: MpiOptions::ranks_per_node = 2 makes each
+// pair of ranks a node, and every size takes the node-aware path where a group qualifies.
+MpiOptions node_options(int64_t min_bytes) {
+  MpiOptions o = shm_options(1, 0);
+  o.node_aware = min_bytes < 0 ? 0 : 1;
+  o.node_aware_min_bytes = std::max<int64_t>(0, min_bytes);
+  o.ranks_per_node = 2;
+  return o;
+}
+
+// True when `ranks` spans >= 2 nodes of ranks_per_node = 2 with both ranks of each.
+bool two_per_node(const std::vector<int>& ranks) {
+  std::map<int, int> per_node;
+  for (int r : ranks)
+    ++per_node[r / 2];
+  if (per_node.size() < 2)
+    return false;
+  for (const auto& kv : per_node)
+    if (kv.second != 2)
+      return false;
+  return true;
+}
+
+TEST_CASE("node-aware all-reduce: closed forms on every group, both paths counted", "[mpi]") {
+  const int n = comm().size();
+  if (n % 2 != 0)
+    return;  // ranks_per_node = 2 must divide the world
+  MpiCommunicator c(node_options(0));
+  CHECK(c.local_size() == 2);
+  CHECK(c.local_rank() == c.rank() % 2);
+  auto topologies = topologies_for(n);
+  if (n >= 4 && is_power_of_two(n / 2))
+    topologies.push_back(topology::make_topology("aer", n, 2));  // groups of whole nodes
+  bool took_it = false;
+  for (const auto& topo : topologies) {
+    c.make_groups(topo->distinct_groups());
+    for (int s = 0; s < topo->period(); ++s) {
+      const auto& group = topo->group_of(c.rank(), s);
+      const bool node_aware = two_per_node(group.ranks);
+      took_it = took_it || node_aware;
+      for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kInt, at::kLong}) {
+        const bool integral = dtype == at::kInt || dtype == at::kLong;
+        for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+          if (integral && op == ReduceOp::kAvg)
+            continue;
+          for (int64_t numel : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{4099}}) {
+            INFO("rank " << c.rank() << " topology " << topo->name() << " slot " << s << " group "
+                         << ranks_to_string(group.ranks) << " dtype " << dtype << " op "
+                         << to_string(op) << " numel " << numel);
+            const auto before = c.stats();
+            auto t = make_input(c.rank(), numel, dtype);
+            c.allreduce(t, group.ranks, op)->wait();
+            CHECK(count_wrong_any(t, group.ranks, op) == 0);
+            auto in = make_input(c.rank(), numel, dtype);
+            const auto kept = in.clone();
+            auto out = at::empty({numel}, in.options());
+            c.allreduce(in, out, group.ranks, op)->wait();
+            CHECK(torch_equal_bytes(in, kept));
+            CHECK(count_wrong_any(out, group.ranks, op) == 0);
+            if (group.ranks.size() > 1) {
+              const auto now = c.stats();
+              CHECK(now.node_aware_allreduces - before.node_aware_allreduces ==
+                    (node_aware ? 2u : 0u));
+              CHECK(now.ring_allreduces - before.ring_allreduces == (node_aware ? 0u : 2u));
+            }
+          }
+        }
+      }
+    }
+  }
+  CHECK(took_it == (n >= 4));
+}
+
+TEST_CASE("node-aware all-reduce: bit-identical members, its traffic, the size threshold",
+          "[mpi]") {
+  const int n = comm().size();
+  if (n % 2 != 0 || n < 4)
+    return;
+  MpiCommunicator c(node_options(4096));
+  std::vector<int> all(n);
+  for (int r = 0; r < n; ++r)
+    all[r] = r;
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    auto t = at::arange(100003, at::kDouble).mul(0.001 * (c.rank() + 1)).sin().to(dtype);
+    c.allreduce(t, all, ReduceOp::kAvg)->wait();
+    check_same_bytes_everywhere(c, t);
+  }
+  // Over all ranks, g nodes of l: (l - 1) g M inside the nodes (1.), 2 (g - 1) M across them
+  // (2.), (l - 1) g M inside again (3.), each way: the flat ring's 2 (k - 1) M.
+  const int64_t numel = 50001;
+  const int64_t bytes = numel * 4;
+  const int64_t g = n / 2, l = 2;
+  const auto before = c.stats();
+  auto t = make_input(c.rank(), numel, at::kFloat);
+  c.allreduce(t, all, ReduceOp::kSum)->wait();
+  CHECK(count_wrong_any(t, all, ReduceOp::kSum) == 0);
+  const auto now = c.stats();
+  CHECK(now.node_aware_allreduces == before.node_aware_allreduces + 1);
+  auto traffic = at::empty({2}, at::kLong);
+  traffic.data_ptr<int64_t>()[0] =
+      static_cast<int64_t>(now.allreduce_bytes_sent - before.allreduce_bytes_sent);
+  traffic.data_ptr<int64_t>()[1] =
+      static_cast<int64_t>(now.allreduce_bytes_received - before.allreduce_bytes_received);
+  c.allreduce(traffic, all, ReduceOp::kSum)->wait();  // 16 bytes: below the threshold
+  const int64_t expected = (2 * (l - 1) * g + 2 * (g - 1)) * bytes;
+  CHECK(expected == 2 * (n - 1) * bytes);
+  CHECK(traffic.data_ptr<int64_t>()[0] == expected);
+  CHECK(traffic.data_ptr<int64_t>()[1] == expected);
+  CHECK(c.stats().ring_allreduces == now.ring_allreduces + 1);
+  CHECK(c.stats().node_aware_allreduces == now.node_aware_allreduces);
+  // node_aware = 0: never.
+  MpiCommunicator flat(node_options(-1));
+  auto f = make_input(flat.rank(), numel, at::kFloat);
+  flat.allreduce(f, all, ReduceOp::kSum)->wait();
+  CHECK(count_wrong_any(f, all, ReduceOp::kSum) == 0);
+  CHECK(flat.stats().node_aware_allreduces == 0);
+  CHECK(flat.stats().ring_allreduces == 1);
+}
+
+TEST_CASE("node-aware all-reduce: four ranks per node, chunks of uneven sizes", "[mpi]") {
+  const int n = comm().size();
+  if (n % 4 != 0 || n < 8)
+    return;
+  MpiOptions o = node_options(0);
+  o.ranks_per_node = 4;
+  MpiCommunicator c(o);
+  CHECK(c.local_size() == 4);
+  // Every rank; two ranks of each node (g nodes of 2); the first node and half of the next
+  // (no equal shares: the flat ring).
+  std::vector<std::vector<int>> groups(3);
+  for (int r = 0; r < n; ++r) {
+    groups[0].push_back(r);
+    if (r % 4 < 2)
+      groups[1].push_back(r);
+    if (r < 6)
+      groups[2].push_back(r);
+  }
+  c.make_groups(groups);
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const auto& group = groups[gi];
+    if (std::find(group.begin(), group.end(), c.rank()) == group.end())
+      continue;
+    for (auto dtype : {at::kFloat, at::kDouble, at::kHalf}) {
+      for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+        for (int64_t numel : {int64_t{0}, int64_t{3}, int64_t{13}, int64_t{40961}}) {
+          INFO("rank " << c.rank() << " group " << ranks_to_string(group) << " dtype " << dtype
+                       << " numel " << numel);
+          const auto before = c.stats();
+          auto t = make_input(c.rank(), numel, dtype);
+          c.allreduce(t, group, op)->wait();
+          CHECK(count_wrong_any(t, group, op) == 0);
+          CHECK(c.stats().node_aware_allreduces - before.node_aware_allreduces ==
+                (gi < 2 ? 1u : 0u));
+        }
+      }
+    }
+  }
+  // Bit-identical on every member, averaged in float32 over 2 nodes of 4.
+  std::vector<int> all(n);
+  for (int r = 0; r < n; ++r)
+    all[r] = r;
+  auto t = at::arange(77777, at::kDouble).mul(0.01 * (c.rank() + 1)).cos().to(at::kFloat);
+  c.allreduce(t, all, ReduceOp::kAvg)->wait();
+  check_same_bytes_everywhere(c, t);
+}
+
+TEST_CASE("ranks_per_node and node_aware_min_bytes: bad or differing values are clear errors",
+          "[mpi]") {
+  const int n = comm().size();
+  MpiOptions bad = shm_options(1, 0);
+  bad.ranks_per_node = n + 1;
+  CHECK_THROWS_WITH(MpiCommunicator(bad),
+                    Catch::Contains("ranks_per_node must divide the world size " +
+                                    std::to_string(n) + ", got " + std::to_string(n + 1)));
+  bad.ranks_per_node = -1;
+  CHECK_THROWS_WITH(MpiCommunicator(bad), Catch::Contains("ranks_per_node must be >= 0"));
+  bad.ranks_per_node = 0;
+  bad.node_aware_min_bytes = -1;
+  CHECK_THROWS_WITH(MpiCommunicator(bad),
+                    Catch::Contains("node_aware_min_bytes must be >= 0") &&
+                        Catch::Contains("got -1"));
+  if (n > 1) {
+    MpiOptions differ = shm_options(1, 0);
+    differ.node_aware_min_bytes = comm().rank() == 0 ? 0 : 100;
+    CHECK_THROWS_WITH(MpiCommunicator(differ),
+                      Catch::Contains("ranks_per_node must be the same on every rank") &&
+                          Catch::Contains("rank 0 has 0 and 0, rank 1 has 100 and 0"));
+  }
+  MpiCommunicator fine(shm_options(1, 0));
   fine.barrier();
 }
 
