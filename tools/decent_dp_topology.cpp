@@ -107,6 +107,10 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--steps", in.steps, "plan: simulated steps (0: four periods, at least 32)")
       ->check(CLI::NonNegativeNumber);
+  bool flat_ring = false;
+  app.add_flag("--flat-ring", flat_ring,
+               "every group all-reduces on one flat ring (the MPI backend with "
+               "DECENT_DP_NODE_AWARE=0) instead of the node-aware all-reduce where it applies");
   CLI11_PARSE(app, argc, argv);
   const bool name_given = app.count("--name") > 0;
 
@@ -126,6 +130,7 @@ int main(int argc, char** argv) {
       in.inter_bw = inter_mbs * 1e6;
       in.flow_bw = flow_mbs * 1e6;
       in.shared_exchanges = !fifo;
+      in.node_aware = !flat_ring;
       if (buckets_mb.empty()) {
         in.bucket_bytes = buckets_of(params, dtype_bytes, bucket_mb);
       } else {
@@ -165,6 +170,7 @@ int main(int argc, char** argv) {
       out["flow_bw_bytes_per_s"] = in.flow_bw;
       out["shared_efficiency"] = in.shared_efficiency;
       out["latency_us"] = in.latency_us;
+      out["allreduce"] = flat_ring ? "ring" : "node-aware";
       out["skipped"] = skipped;
       for (const Prediction& p : rows) {
         out["predictions"].push_back({{"name", p.name},
@@ -179,11 +185,12 @@ int main(int argc, char** argv) {
       }
       fmt::print(
           "plan: {} ranks, {} per node, {} bucket(s) of {} in all, compute {} ms per step; "
-          "links {} MB/s inside a node, {} MB/s per NIC{}\n",
+          "links {} MB/s inside a node, {} MB/s per NIC{}; {} all-reduce\n",
           n, lws, in.bucket_bytes.size(),
           human_bytes(std::accumulate(in.bucket_bytes.begin(), in.bucket_bytes.end(), 0.0)),
           in.compute_ms, intra_mbs, inter_mbs,
-          flow_mbs > 0 ? fmt::format(", {} MB/s per flow", flow_mbs) : std::string());
+          flow_mbs > 0 ? fmt::format(", {} MB/s per flow", flow_mbs) : std::string(),
+          flat_ring ? "flat ring" : "node-aware");
       fmt::print("{:<22} {:>10} {:>10} {:>10} {:>14}\n", "", "ms/step", "comm ms", "wait ms",
                  "vs all-reduce");
       for (const Prediction& p : rows) {
@@ -210,6 +217,9 @@ int main(int argc, char** argv) {
     }
     out["model_bytes"] = model_bytes;
     out["nodes"] = (n + lws - 1) / lws;
+    const AllreduceAlgorithm algorithm =
+        flat_ring ? AllreduceAlgorithm::kRing : AllreduceAlgorithm::kNodeAware;
+    out["allreduce"] = flat_ring ? "ring" : "node-aware";
     double total_max_bytes = 0.0;
     double total_inter_rank = 0.0;
     double total_inter_nic = 0.0;
@@ -224,7 +234,7 @@ int main(int argc, char** argv) {
       }
       slot["max_bytes_sent_per_rank"] = max_bytes;
       total_max_bytes += max_bytes;
-      const SlotTraffic traffic = slot_traffic(*topo, s, model_bytes);
+      const SlotTraffic traffic = slot_traffic(*topo, s, model_bytes, algorithm);
       slot["inter_node"] = {{"bytes_sent_per_rank", traffic.sent_inter},
                             {"bytes_out_per_nic", traffic.nic_out},
                             {"bytes_in_per_nic", traffic.nic_in},

@@ -139,19 +139,24 @@ class Simulation {
 
   double now() const { return now_; }
 
-  // A ring all-reduce of `bytes` per member over `ranks` (ascending: the ring's order). It
-  // starts when every member has called launch().
+  // An all-reduce of `bytes` per member over `ranks` (in group order): the ring, or the
+  // node-aware all-reduce where PlanInputs::node_aware and the group's shape allow it
+  // (allreduce_stages), its stages one after another. It starts when every member has
+  // called launch().
   int add_exchange(const std::vector<int>& ranks, double bytes) {
     Exchange e;
-    const int k = static_cast<int>(ranks.size());
-    e.missing = k;
-    if (k > 1) {
-      e.work = 2.0 * (k - 1) / k * bytes;
-      e.latency_ms = 2.0 * (k - 1) * in_.latency_us * 1e-3;
-      for (int i = 0; i < k; ++i) {
-        e.pairs.push_back(
-            pair_id(ranks[static_cast<size_t>(i)], ranks[static_cast<size_t>((i + 1) % k)]));
+    e.missing = static_cast<int>(ranks.size());
+    for (const AllreduceStage& stage :
+         allreduce_stages(ranks, lws_, bytes,
+                          in_.node_aware ? AllreduceAlgorithm::kNodeAware
+                                         : AllreduceAlgorithm::kRing)) {
+      Stage st;
+      st.work = stage.bytes_per_edge;
+      for (const auto& [from, to] : stage.edges) {
+        st.pairs.push_back(pair_id(from, to));
       }
+      e.latency_ms += stage.steps * in_.latency_us * 1e-3;
+      e.stages.push_back(std::move(st));
     }
     exchanges_.push_back(std::move(e));
     seen_.push_back(0);
@@ -165,23 +170,7 @@ class Simulation {
       return;
     }
     e.start = now_;
-    if (e.pairs.empty() || e.work <= 0) {
-      finish(id);
-      return;
-    }
-    const std::vector<int> touched = touched_pairs(e, /*starting=*/true);
-    settle(touched);
-    for (int p : e.pairs) {
-      Pair& pair = pairs_[static_cast<size_t>(p)];
-      if (pair.cross && pair.active.empty()) {
-        ++out_flows_[static_cast<size_t>(pair.src_node)];
-        ++in_flows_[static_cast<size_t>(pair.dst_node)];
-      }
-      pair.active.push_back(id);
-    }
-    e.active = true;
-    e.updated = now_;
-    rerate(touched);
+    next_stage(id);
   }
 
   bool done(int id) const { return exchanges_[static_cast<size_t>(id)].done >= 0; }
@@ -222,11 +211,17 @@ class Simulation {
     int src_node = 0, dst_node = 0;
     std::vector<int> active;  // exchanges on this edge, in the order they started
   };
+  struct Stage {
+    std::vector<int> pairs;  // its edges
+    double work = 0;         // bytes each edge moves
+  };
   struct Exchange {
-    std::vector<int> pairs;  // its ring edges
+    std::vector<Stage> stages;
+    size_t stage = 0;        // the next stage to start
+    std::vector<int> pairs;  // the edges of the stage in flight
     int missing = 0;         // members yet to launch it
-    double work = 0;         // bytes each edge still has to move
-    double latency_ms = 0;
+    double work = 0;         // bytes each edge of the stage in flight still has to move
+    double latency_ms = 0;   // of all its steps, added at the end
     double start = -1, done = -1;
     double rate = 0;  // bytes per ms on every edge
     double updated = 0;
@@ -363,29 +358,58 @@ class Simulation {
     return kNever;
   }
 
-  // Ends exchange `id` now (its data moved; done after its latency) and wakes its waiters.
-  void finish(int id) {
+  // Starts the next stage of exchange `id` with work to do, or ends the exchange when none
+  // is left (done after its latency) and wakes its waiters.
+  void next_stage(int id) {
     Exchange& e = exchanges_[static_cast<size_t>(id)];
-    if (e.active) {
-      const std::vector<int> touched = touched_pairs(e, /*starting=*/false);
+    while (e.stage < e.stages.size()) {
+      Stage& stage = e.stages[e.stage++];
+      if (stage.pairs.empty() || stage.work <= 0) {
+        continue;
+      }
+      e.pairs = std::move(stage.pairs);
+      e.work = stage.work;
+      const std::vector<int> touched = touched_pairs(e, /*starting=*/true);
       settle(touched);
       for (int p : e.pairs) {
         Pair& pair = pairs_[static_cast<size_t>(p)];
-        pair.active.erase(std::find(pair.active.begin(), pair.active.end(), id));
         if (pair.cross && pair.active.empty()) {
-          --out_flows_[static_cast<size_t>(pair.src_node)];
-          --in_flows_[static_cast<size_t>(pair.dst_node)];
+          ++out_flows_[static_cast<size_t>(pair.src_node)];
+          ++in_flows_[static_cast<size_t>(pair.dst_node)];
         }
+        pair.active.push_back(id);
       }
-      e.active = false;
-      e.work = 0;
+      e.active = true;
+      e.updated = now_;
       rerate(touched);
+      return;
     }
     e.done = now_ + e.latency_ms;
     for (int r : e.waiters) {
       schedule(r, now_);
     }
     e.waiters.clear();
+  }
+
+  // The stage in flight of exchange `id` has moved its data: frees its edges, then the next
+  // stage.
+  void finish(int id) {
+    Exchange& e = exchanges_[static_cast<size_t>(id)];
+    const std::vector<int> touched = touched_pairs(e, /*starting=*/false);
+    settle(touched);
+    for (int p : e.pairs) {
+      Pair& pair = pairs_[static_cast<size_t>(p)];
+      pair.active.erase(std::find(pair.active.begin(), pair.active.end(), id));
+      if (pair.cross && pair.active.empty()) {
+        --out_flows_[static_cast<size_t>(pair.src_node)];
+        --in_flows_[static_cast<size_t>(pair.dst_node)];
+      }
+    }
+    e.active = false;
+    e.work = 0;
+    e.pairs.clear();
+    rerate(touched);
+    next_stage(id);
   }
 
   const PlanInputs& in_;

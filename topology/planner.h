@@ -11,7 +11,12 @@
 //     at the start of the forward (from a (rank, step) seed).
 //   - Communication: an exchange of a group starts when every member has launched it. A
 //     group of k runs a ring all-reduce (topology/traffic.h): every ring edge moves 2 (k - 1)
-//     / k of the block, plus latency_us for each of the 2 (k - 1) steps. The network is
+//     / k of the block, plus latency_us for each of the 2 (k - 1) steps. With node_aware (the
+//     MPI backend's default), a group of g >= 2 nodes of l >= 2 members each runs the
+//     node-aware all-reduce instead, as three stages one after another: a reduce-scatter on
+//     the ring inside each node ((l - 1) / l of the block per edge), a ring all-reduce of
+//     each member's chunk across the nodes (2 (g - 1) / g of 1/l of the block per edge), and
+//     an all-gather inside each node; latency_us for each of their steps. The network is
 //     simulated as a fluid: every exchange in flight moves at the rate of its slowest edge,
 //     and rates change only when an exchange starts or ends. An edge inside a node runs at
 //     intra_bw. An edge across nodes is a flow out of one node's NIC and into another's: a
@@ -54,6 +59,9 @@ struct PlanInputs {
   // Exchanges in flight on one edge share it equally (the MPI backend progresses every
   // operation at once); false: the first one started gets the whole edge, one after another.
   bool shared_exchanges = true;
+  // Groups spread evenly over several nodes take the node-aware all-reduce (the MPI
+  // backend's default, MpiOptions::node_aware); false: every group takes the flat ring.
+  bool node_aware = true;
 
   // Throws InvalidArgument naming the first field out of range.
   void validate() const;

@@ -377,10 +377,11 @@ namespace {
 // Per node of one slot: (bytes out through the NIC, ranks sending across), block B = 8.
 using NicSlot = std::vector<std::pair<double, int>>;
 
-std::vector<NicSlot> nic_table(const std::string& name, int n, int lws) {
+std::vector<NicSlot> nic_table(const std::string& name, int n, int lws,
+                               AllreduceAlgorithm algorithm = AllreduceAlgorithm::kRing) {
   auto t = make_topology(name, n, lws);
   std::vector<NicSlot> out;
-  for (const SlotTraffic& s : period_traffic(*t, 8.0)) {
+  for (const SlotTraffic& s : period_traffic(*t, 8.0, algorithm)) {
     NicSlot row;
     for (int node = 0; node < s.nodes; ++node) {
       row.emplace_back(s.nic_out[static_cast<size_t>(node)],
@@ -395,7 +396,8 @@ std::vector<NicSlot> nic_table(const std::string& name, int n, int lws) {
 
 }  // namespace
 
-TEST_CASE("traffic: bytes per rank and per NIC of every built-in at n = 8", "[topology][traffic]") {
+TEST_CASE("traffic: bytes per rank and per NIC of every built-in at n = 8, flat rings",
+          "[topology][traffic]") {
   // Block B = 8 bytes. A group of k runs a ring all-reduce in rank order: each member sends
   // 2 (k - 1) / k B to the next, so 14 at k = 8, 12 at k = 4 and 8 at k = 2.
   using P = std::pair<double, int>;
@@ -405,7 +407,7 @@ TEST_CASE("traffic: bytes per rank and per NIC of every built-in at n = 8", "[to
           std::vector<NicSlot>{{P{14, 1}, P{14, 1}, P{14, 1}, P{14, 1}}});
     CHECK(nic_table("complete", 8, 4) == std::vector<NicSlot>{{P{14, 1}, P{14, 1}}});
     auto t = make_topology("complete", 8, 2);
-    const SlotTraffic s = slot_traffic(*t, 0, 8.0);
+    const SlotTraffic s = slot_traffic(*t, 0, 8.0, AllreduceAlgorithm::kRing);
     CHECK(s.sent == std::vector<double>(8, 14.0));
     CHECK(s.sent_inter == std::vector<double>{0, 14, 0, 14, 0, 14, 0, 14});
     CHECK(s.max_group == 8);
@@ -420,7 +422,7 @@ TEST_CASE("traffic: bytes per rank and per NIC of every built-in at n = 8", "[to
     CHECK(nic_table("ring", 8, 4) ==
           std::vector<NicSlot>{{P{0, 0}, P{0, 0}}, {P{16, 2}, P{16, 2}}});
     auto t = make_topology("ring", 8, 4);
-    CHECK(slot_traffic(*t, 1, 8.0).sent_inter == std::vector<double>{8, 0, 0, 8, 8, 0, 0, 8});
+    CHECK(slot_traffic(*t, 1, 8.0, AllreduceAlgorithm::kRing).sent_inter == std::vector<double>{8, 0, 0, 8, 8, 0, 0, 8});
   }
   SECTION("one-peer-exp") {
     // Slots pair j with j + 1, j + 2, j + 4: at lws 2 the last two cross with both ranks
@@ -442,7 +444,7 @@ TEST_CASE("traffic: bytes per rank and per NIC of every built-in at n = 8", "[to
     // lws 4, two nodes: inside the nodes, then all eight ranks as one ring.
     CHECK(nic_table("aer", 8, 4) == std::vector<NicSlot>{{P{0, 0}, P{0, 0}}, {P{14, 1}, P{14, 1}}});
     auto t = make_topology("aer", 8, 2);
-    const SlotTraffic s = slot_traffic(*t, 0, 8.0);
+    const SlotTraffic s = slot_traffic(*t, 0, 8.0, AllreduceAlgorithm::kRing);
     CHECK(s.sent == std::vector<double>{8, 8, 8, 8, 12, 12, 12, 12});
     CHECK(s.sent_inter == std::vector<double>{0, 0, 0, 0, 0, 12, 0, 12});
     CHECK(s.max_group == 4);
@@ -451,12 +453,88 @@ TEST_CASE("traffic: bytes per rank and per NIC of every built-in at n = 8", "[to
   }
   SECTION("one node and singletons") {
     auto t = make_topology("complete", 4, 4);
-    const SlotTraffic s = slot_traffic(*t, 0, 8.0);
+    const SlotTraffic s = slot_traffic(*t, 0, 8.0, AllreduceAlgorithm::kRing);
     CHECK(s.nodes == 1);
     CHECK(s.max_sent_inter() == 0);
     CHECK(s.max_sent() == 12);
     auto one = make_topology("complete", 1, 1);
-    CHECK(slot_traffic(*one, 0, 8.0).max_sent() == 0);
+    CHECK(slot_traffic(*one, 0, 8.0, AllreduceAlgorithm::kRing).max_sent() == 0);
+  }
+}
+
+TEST_CASE("traffic: the node-aware all-reduce at n = 8", "[topology][traffic]") {
+  // Block B = 8 bytes. A group of g >= 2 nodes of l >= 2 members each: a reduce-scatter
+  // inside each node ((l - 1) / l B per edge), a ring across the nodes for each of the l
+  // chunks (2 (g - 1) / g B / l per edge: l flows out of each NIC), an all-gather inside.
+  // Every member still sends 2 (k - 1) / k B in all. Groups of other shapes take the ring.
+  using P = std::pair<double, int>;
+  const auto node_aware = AllreduceAlgorithm::kNodeAware;
+  SECTION("complete") {
+    // lws 2: g = 4, chunks of 4, 6 bytes per edge across, two flows per NIC: 12 (flat: 14).
+    CHECK(nic_table("complete", 8, 2, node_aware) ==
+          std::vector<NicSlot>{{P{12, 2}, P{12, 2}, P{12, 2}, P{12, 2}}});
+    // lws 4: g = 2, chunks of 2, 2 bytes per edge across, four flows per NIC: 8 (flat: 14).
+    CHECK(nic_table("complete", 8, 4, node_aware) == std::vector<NicSlot>{{P{8, 4}, P{8, 4}}});
+    auto t = make_topology("complete", 8, 2);
+    const SlotTraffic s = slot_traffic(*t, 0, 8.0);  // node-aware is the default
+    CHECK(s.sent == std::vector<double>(8, 14.0));
+    CHECK(s.sent_inter == std::vector<double>(8, 6.0));
+  }
+  SECTION("pairs across nodes have one member per node: the ring, as before") {
+    for (const char* name : {"ring", "one-peer-exp"}) {
+      for (int lws : {2, 4}) {
+        INFO(name << " lws " << lws);
+        CHECK(nic_table(name, 8, lws, node_aware) == nic_table(name, 8, lws));
+      }
+    }
+  }
+  SECTION("alternating-exp-ring") {
+    // lws 2: the group of 4 over two nodes sends 4 bytes per edge across, two flows per NIC:
+    // 8 out of each of its NICs (flat: 12).
+    CHECK(nic_table("aer", 8, 2, node_aware) ==
+          std::vector<NicSlot>{{P{0, 0}, P{0, 0}, P{8, 2}, P{8, 2}},
+                               {P{8, 2}, P{8, 2}, P{0, 0}, P{0, 0}},
+                               {P{0, 0}, P{8, 2}, P{0, 0}, P{8, 2}},
+                               {P{8, 2}, P{0, 0}, P{8, 2}, P{0, 0}}});
+    CHECK(nic_table("aer", 8, 4, node_aware) ==
+          std::vector<NicSlot>{{P{0, 0}, P{0, 0}}, {P{8, 4}, P{8, 4}}});
+    auto t = make_topology("aer", 8, 2);
+    const SlotTraffic s = slot_traffic(*t, 0, 8.0, node_aware);
+    CHECK(s.sent == std::vector<double>{8, 8, 8, 8, 12, 12, 12, 12});
+    CHECK(s.sent_inter == std::vector<double>{0, 0, 0, 0, 4, 4, 4, 4});
+  }
+  SECTION("the stages of one group, its shape and layout") {
+    const auto stages = allreduce_stages({4, 5, 6, 7}, 2, 8.0, node_aware);
+    REQUIRE(stages.size() == 3);
+    using E = std::vector<std::pair<int, int>>;
+    CHECK(stages[0].edges == E{{4, 5}, {5, 4}, {6, 7}, {7, 6}});
+    CHECK(stages[0].bytes_per_edge == 4.0);
+    CHECK(stages[0].steps == 1);
+    CHECK(stages[1].edges == E{{4, 6}, {6, 4}, {5, 7}, {7, 5}});
+    CHECK(stages[1].bytes_per_edge == 4.0);
+    CHECK(stages[1].steps == 2);
+    CHECK(stages[2].edges == stages[0].edges);
+    const auto flat = allreduce_stages({4, 5, 6, 7}, 2, 8.0, AllreduceAlgorithm::kRing);
+    REQUIRE(flat.size() == 1);
+    CHECK(flat[0].edges == E{{4, 5}, {5, 6}, {6, 7}, {7, 4}});
+    CHECK(flat[0].bytes_per_edge == 12.0);
+    CHECK(flat[0].steps == 6);
+    CHECK(allreduce_stages({3}, 2, 8.0, node_aware).empty());
+    CHECK(allreduce_stages({0, 1, 2}, 2, 8.0, node_aware).size() == 1);  // 2 + 1: the ring
+    // Node ids in any order; nodes ordered by their first member.
+    CHECK(node_aware_shape({5, 3, 5, 3}).nodes == 2);
+    CHECK(node_aware_shape({5, 3, 5, 3}).per_node == 2);
+    CHECK(node_aware_shape({1, 1, 1, 1}).nodes == 0);     // one node
+    CHECK(node_aware_shape({1, 2, 3}).nodes == 0);        // one member per node
+    CHECK(node_aware_shape({1, 1, 2, 2, 2}).nodes == 0);  // unequal shares
+    const NodeLayout layout = node_layout({5, 3, 5, 3}, 3);
+    CHECK(layout.local == std::vector<int>{1, 3});
+    CHECK(layout.local_index == 1);
+    CHECK(layout.across == std::vector<int>{2, 3});
+    CHECK(layout.across_index == 1);
+    CHECK_THROWS_WITH(node_layout({1, 1, 2}, 0),
+                      Catch::Contains("3 members on 2 distinct nodes and index 0"));
+    CHECK_THROWS_WITH(node_layout({1, 1, 2, 2}, 4), Catch::Contains("index in [0, 3]"));
   }
 }
 
@@ -478,6 +556,7 @@ TEST_CASE("planner: hand-computed step times", "[topology][planner]") {
     CHECK(predict_allreduce(4, 4, in).step_ms == Approx(106.0));
   }
   SECTION("two nodes, slots alternating light and heavy") {
+    in.node_aware = false;  // the flat ring (the next section: node-aware)
     // ring on 2 nodes of 2: slot 0 pairs inside nodes (2 steps of 2 MB at 1 GB/s = 4 ms),
     // slot 1 pairs across, two flows sharing each 100 MB/s NIC (2 x 2 MB / 50 MB/s = 80 ms).
     // With 50 ms of compute, every cross exchange makes the next step wait: two steps take
@@ -500,6 +579,31 @@ TEST_CASE("planner: hand-computed step times", "[topology][planner]") {
     in.latency_us = 10000;
     CHECK(predict_gossip(*t, in).step_ms == Approx((100.0 + 50) / 2));
     CHECK(predict_allreduce(4, 2, in).step_ms == Approx(170.0));
+  }
+  SECTION("two nodes: the node-aware all-reduce") {
+    // All-reduce of 4 MB over 2 nodes of 2: a reduce-scatter inside each node (2 MB per edge
+    // at 1 GB/s: 2 ms), each 2 MB chunk across on its own ring of 2 (2 MB per edge, two flows
+    // per NIC at 50 MB/s: 40 ms), an all-gather inside (2 ms): 44 ms after each 50 ms step
+    // (the flat ring: 60). The ring topology's pairs across have one member per node: as
+    // before. Latency: 1 + 2 + 1 steps of 10 ms.
+    in.compute_ms = 50;
+    in.node_aware = true;
+    CHECK(predict_allreduce(4, 2, in).step_ms == Approx(94.0));
+    auto t = make_topology("ring", 4, 2);
+    CHECK(predict_gossip(*t, in).step_ms == Approx(65.0));
+    in.latency_us = 10000;
+    CHECK(predict_allreduce(4, 2, in).step_ms == Approx(134.0));
+    in.latency_us = 0;
+    in.node_aware = false;
+    CHECK(predict_allreduce(4, 2, in).step_ms == Approx(110.0));
+    // AER on 2 nodes of 2: slot 0 inside the nodes (2 steps of 2 MB at 1 GB/s: 4 ms, hidden),
+    // slot 1 all four. Flat, 60 ms outlast the next step's 50, which waits 10 ms: two steps
+    // take 60 + 50 ms. Node-aware, 44 ms hide behind it: 50 ms per step.
+    auto aer = make_topology("aer", 4, 2);
+    CHECK(predict_gossip(*aer, in).step_ms == Approx(55.0));
+    in.node_aware = true;
+    CHECK(predict_gossip(*aer, in).step_ms == Approx(50.0));
+    CHECK(predict_gossip(*aer, in).comm_ms == Approx((4.0 + 44.0) / 2));
   }
   SECTION("buckets: all-reduce overlaps the earlier buckets with the backward") {
     // Two equal buckets of 2 MB on one node of 4 (3 ms each), 100 ms compute: the first
