@@ -299,14 +299,27 @@ int main(int argc, char** argv) {
       MPI_Comm_free(&raw);
     }
   }
+  // Which path rank 0's all-reduces took (Note [node-aware all-reduce], Note [shared-memory
+  // transport]).
+  const decent_dp::MpiStats stats = comm.stats();
+  if (rank == 0) {
+    fmt::print("# rank 0's all-reduces by path: shared memory {}, ring {}, node-aware {}\n",
+               stats.shared_memory_allreduces, stats.ring_allreduces,
+               stats.node_aware_allreduces);
+  }
   if (rank == 0 && !json_path.empty() &&
-      !decent_dp::bench::write_json(json_path,
-                                    nlohmann::json{{"world_size", n},
-                                                   {"iters", iters},
-                                                   {"warmup", warmup},
-                                                   {"inflight", inflight},
-                                                   {"results", results}},
-                                    "-J/--json")) {
+      !decent_dp::bench::write_json(
+          json_path,
+          nlohmann::json{{"world_size", n},
+                         {"iters", iters},
+                         {"warmup", warmup},
+                         {"inflight", inflight},
+                         {"allreduces_by_path",
+                          {{"shared_memory", stats.shared_memory_allreduces},
+                           {"ring", stats.ring_allreduces},
+                           {"node_aware", stats.node_aware_allreduces}}},
+                         {"results", results}},
+          "-J/--json")) {
     return 1;
   }
   return 0;

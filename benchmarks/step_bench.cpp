@@ -212,6 +212,10 @@ int main(int argc, char** argv) {
   bool no_local_barrier = false, no_ddp = false;
   app.add_flag("--no-local-barrier", no_local_barrier, "skip the local + barrier case");
   app.add_flag("--no-ddp", no_ddp, "skip the DistributedDataParallel case");
+  std::vector<std::string> flat_ring;
+  app.add_option("--flat-ring", flat_ring,
+                 "also run these cases ('allreduce' or topology names) with every group on one "
+                 "flat ring (a second MPI communicator with the node-aware all-reduce off)");
   CLI11_PARSE(app, argc, argv);
   if (const std::string bad = decent_dp::bench::check_writable(json_path, "-J/--json");
       !bad.empty()) {
@@ -326,19 +330,32 @@ int main(int argc, char** argv) {
   // ranks step by step on this machine, without moving any data.
   if (!no_local_barrier)
     local_case(true);
-  if (!no_ddp) {
+  // The flat-ring cases exchange through a communicator of their own (CPU tensors only).
+  std::shared_ptr<decent_dp::Communicator> flat_comm;
+  if (!flat_ring.empty()) {
+    if (device.is_cuda()) {
+      if (rank == 0)
+        std::fprintf(stderr, "error: --flat-ring compares the MPI backend's paths (--device cpu)\n");
+      return 2;
+    }
+    decent_dp::MpiOptions flat_options;
+    flat_options.node_aware = 0;
+    flat_comm = std::make_shared<decent_dp::MpiCommunicator>(flat_options);
+  }
+  auto add_ddp = [&](const std::shared_ptr<decent_dp::Communicator>& with, const char* suffix) {
     decent_dp::DataParallelOptions options;
     options.bucket_cap_mb = bucket_mb;
     auto model = std::make_shared<decent_dp::DistributedDataParallel<torch::nn::Sequential>>(
-        make_on_device(), options, optim_fn, nullptr, comm);
+        make_on_device(), options, optim_fn, nullptr, with);
     keep.push_back(model);
     cases.push_back(
-        {"DistributedDataParallel (all-reduce)",
+        {std::string("DistributedDataParallel (all-reduce)") + suffix,
          [model, &x, &y] { torch::cross_entropy_loss(model->forward(x), y).backward(); },
          [model] { model->synchronize(); },
          {}});
-  }
-  for (const auto& t : topologies) {
+  };
+  auto add_gossip = [&](const std::string& t, const std::shared_ptr<decent_dp::Communicator>& with,
+                        const char* suffix) {
     decent_dp::DataParallelOptions options;
     options.topology = t;
     options.bucket_cap_mb = bucket_mb;
@@ -346,18 +363,28 @@ int main(int argc, char** argv) {
     std::shared_ptr<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>> model;
     try {
       model = std::make_shared<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>>(
-          make_on_device(), options, optim_fn, nullptr, comm);
+          make_on_device(), options, optim_fn, nullptr, with);
     } catch (const decent_dp::InvalidArgument& e) {
       if (rank == 0)
         fmt::print("# skipping {}: {}\n", t, e.what());
-      continue;
+      return;
     }
     keep.push_back(model);
     cases.push_back(
-        {"DecentralizedDataParallel " + model->topology().name(),
+        {"DecentralizedDataParallel " + model->topology().name() + suffix,
          [model, &x, &y] { torch::cross_entropy_loss(model->forward(x), y).backward(); },
          [model] { model->synchronize(); },
          {}});
+  };
+  if (!no_ddp)
+    add_ddp(comm, "");
+  for (const auto& t : topologies)
+    add_gossip(t, comm, "");
+  for (const auto& t : flat_ring) {
+    if (t == "allreduce")
+      add_ddp(flat_comm, " flat ring");
+    else
+      add_gossip(t, flat_comm, " flat ring");
   }
   for (auto& c : cases) {
     for (int i = 0; i < warmup; ++i)

@@ -50,6 +50,37 @@ if [ "$(leftovers)" != "$before" ]; then
   exit 1
 fi
 
+# Two nodes of two ranks, as MPI finds them: the all-reduce over all four takes the node-aware
+# path (Note [node-aware all-reduce]) and gives exact results; with DECENT_DP_NODE_AWARE=0
+# the flat ring does.
+for node_aware in 1 0; do
+  out="$("$cluster" --nodes 2 --ranks-per-node 2 --rate 1gbit -- \
+    sh -c "\$EMU_MPIRUN -x DECENT_DP_NODE_AWARE=$node_aware -n 4 '$build/bin/gossip_bench' -b 1M -e 1M -n 2 -w 1 -t complete" 2>&1)"
+  rc=$?
+  echo "$out" | grep -v "setpgid"
+  if [ "$rc" -ne 0 ]; then
+    echo "FAIL: gossip_bench on 2 emulated nodes of 2 ranks (DECENT_DP_NODE_AWARE=$node_aware) exited with $rc"
+    exit 1
+  fi
+  if ! echo "$out" | grep -Eq '^ +1048576 +262144 +float \| +[0-9.]+ +[0-9.]+ +[0-9.]+ +0 \|'; then
+    echo "FAIL: no 1 MiB result row with 0 wrong elements (DECENT_DP_NODE_AWARE=$node_aware)"
+    exit 1
+  fi
+  if [ "$node_aware" = 1 ]; then
+    expected='node-aware [1-9]'
+  else
+    expected='ring [1-9][0-9]*, node-aware 0$'
+  fi
+  if ! echo "$out" | grep -Eq "^# rank 0's all-reduces by path: .*$expected"; then
+    echo "FAIL: DECENT_DP_NODE_AWARE=$node_aware: expected '$expected' in the path counts"
+    exit 1
+  fi
+done
+if [ "$(leftovers)" != "$before" ]; then
+  echo "FAIL: namespaces or interfaces left after the 2 x 2 runs"
+  exit 1
+fi
+
 "$cluster" --nodes 2 -- sh -c 'exit 3'
 rc=$?
 if [ "$rc" -ne 3 ]; then
