@@ -117,6 +117,20 @@ at::Tensor mlp_loss(torch::nn::Module& m, int r, int s) {
   return torch::mse_loss(static_cast<torch::nn::SequentialImpl&>(m).forward(b.x), b.y);
 }
 
+// One process's step on the union of every rank's MLP batch of `step`.
+void union_step(torch::nn::SequentialImpl& single, torch::optim::Optimizer& reference, int n,
+                int step) {
+  std::vector<at::Tensor> xs, ys;
+  for (int r = 0; r < n; ++r) {
+    auto b = batch_for(false, r, step);
+    xs.push_back(b.x);
+    ys.push_back(b.y);
+  }
+  reference.zero_grad();
+  torch::mse_loss(single.forward(torch::cat(xs)), torch::cat(ys)).backward();
+  reference.step();
+}
+
 }  // namespace
 
 TEST_CASE("decentralized training matches the simulator for every topology", "[ddp]") {
@@ -283,15 +297,7 @@ TEST_CASE("classic all-reduce equals one process on the union of the batches", "
   for (int step = 0; step < 10; ++step) {
     auto b = batch_for(false, rank, step);
     torch::mse_loss(model.forward(b.x), b.y).backward();
-    std::vector<at::Tensor> xs, ys;
-    for (int r = 0; r < n; ++r) {
-      auto br = batch_for(false, r, step);
-      xs.push_back(br.x);
-      ys.push_back(br.y);
-    }
-    reference.zero_grad();
-    torch::mse_loss(single->forward(torch::cat(xs)), torch::cat(ys)).backward();
-    reference.step();
+    union_step(*single, reference, n, step);
   }
   check_matches(*net, *single, 1e-5);
   CHECK(model.updates() == 10);
@@ -342,15 +348,7 @@ TEST_CASE("the node-aware all-reduce trains as the simulator and as one process"
   for (int step = 0; step < 6; ++step) {
     auto b = batch_for(false, rank, step);
     torch::mse_loss(model.forward(b.x), b.y).backward();
-    std::vector<at::Tensor> xs, ys;
-    for (int r = 0; r < n; ++r) {
-      auto br = batch_for(false, r, step);
-      xs.push_back(br.x);
-      ys.push_back(br.y);
-    }
-    reference.zero_grad();
-    torch::mse_loss(single->forward(torch::cat(xs)), torch::cat(ys)).backward();
-    reference.step();
+    union_step(*single, reference, n, step);
   }
   model.synchronize();
   CHECK(nodes->stats().node_aware_allreduces > before.node_aware_allreduces);
