@@ -304,8 +304,7 @@ int main(int argc, char** argv) {
   const decent_dp::MpiStats stats = comm.stats();
   if (rank == 0) {
     fmt::print("# rank 0's all-reduces by path: shared memory {}, ring {}, node-aware {}\n",
-               stats.shared_memory_allreduces, stats.ring_allreduces,
-               stats.node_aware_allreduces);
+               stats.shared_memory_allreduces, stats.ring_allreduces, stats.node_aware_allreduces);
   }
   if (rank == 0 && !json_path.empty() &&
       !decent_dp::bench::write_json(

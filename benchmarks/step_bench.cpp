@@ -335,7 +335,8 @@ int main(int argc, char** argv) {
   if (!flat_ring.empty()) {
     if (device.is_cuda()) {
       if (rank == 0)
-        std::fprintf(stderr, "error: --flat-ring compares the MPI backend's paths (--device cpu)\n");
+        std::fprintf(stderr,
+                     "error: --flat-ring compares the MPI backend's paths (--device cpu)\n");
       return 2;
     }
     decent_dp::MpiOptions flat_options;

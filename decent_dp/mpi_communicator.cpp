@@ -514,11 +514,13 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
   const bool node_aware = options.node_aware < 0 ? env::node_aware() : options.node_aware != 0;
   DECENT_DP_CHECK_ARG(options.node_aware_min_bytes >= 0,
                       "MpiCommunicator: MpiOptions::node_aware_min_bytes must be >= 0 (node_aware "
-                      "= 0 turns the path off), got ", options.node_aware_min_bytes);
+                      "= 0 turns the path off), got ",
+                      options.node_aware_min_bytes);
   d.node_aware_min_bytes = node_aware ? options.node_aware_min_bytes : -1;
   DECENT_DP_CHECK_ARG(options.ranks_per_node >= 0,
                       "MpiCommunicator: MpiOptions::ranks_per_node must be >= 0 (0: nodes as MPI "
-                      "finds them), got ", options.ranks_per_node);
+                      "finds them), got ",
+                      options.ranks_per_node);
   d.ranks_per_node = options.ranks_per_node;
   acquire_mpi();
   d.engine = std::make_shared<detail::ProgressEngine>(
@@ -562,8 +564,8 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
       const int64_t mine[kSettings] = {d.shared_memory ? 1 : 0, d.shared_memory_min_bytes,
                                        d.node_aware_min_bytes, d.ranks_per_node};
       std::vector<int64_t> all(kSettings * static_cast<size_t>(d.size));
-      DECENT_DP_MPI_CHECK(MPI_Allgather(mine, kSettings, MPI_INT64_T, all.data(), kSettings,
-                                        MPI_INT64_T, d.world));
+      DECENT_DP_MPI_CHECK(
+          MPI_Allgather(mine, kSettings, MPI_INT64_T, all.data(), kSettings, MPI_INT64_T, d.world));
       for (int r = 1; r < d.size; ++r) {
         const int64_t* theirs = &all[kSettings * static_cast<size_t>(r)];
         if (theirs[0] != all[0] || theirs[1] != all[1]) {
@@ -573,18 +575,20 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
               all[0], " / ", all[1], ", rank ", r, " has ", theirs[0], " / ", theirs[1]));
         }
         if (theirs[2] != all[2] || theirs[3] != all[3]) {
-          throw InvalidArgument(cat(
-              "MpiCommunicator: the node-aware all-reduce's settings (MpiOptions::node_aware / "
-              "DECENT_DP_NODE_AWARE and node_aware_min_bytes; -1: off) and ranks_per_node must "
-              "be the same on every rank: rank 0 has ", all[2], " and ", all[3], ", rank ", r,
-              " has ", theirs[2], " and ", theirs[3]));
+          throw InvalidArgument(
+              cat("MpiCommunicator: the node-aware all-reduce's settings (MpiOptions::node_aware / "
+                  "DECENT_DP_NODE_AWARE and node_aware_min_bytes; -1: off) and ranks_per_node must "
+                  "be the same on every rank: rank 0 has ",
+                  all[2], " and ", all[3], ", rank ", r, " has ", theirs[2], " and ", theirs[3]));
         }
       }
       if (d.ranks_per_node > 0) {
         const int per = d.ranks_per_node;
         if (d.size % per != 0) {
-          throw InvalidArgument(cat("MpiCommunicator: MpiOptions::ranks_per_node must divide the "
-                                    "world size ", d.size, ", got ", per));
+          throw InvalidArgument(
+              cat("MpiCommunicator: MpiOptions::ranks_per_node must divide the "
+                  "world size ",
+                  d.size, ", got ", per));
         }
         for (int r = 0; r < d.size; ++r) {
           if (d.node_of[r] != d.node_of[r - r % per]) {
@@ -822,8 +826,9 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
     }
     std::vector<MPI_Request> requests = reduce->next();
     if (requests.empty()) {
-      (reduce->node_aware() ? counter_node_aware
-                            : reduce->fell_back() ? counter_ring : counter_shared)
+      (reduce->node_aware()  ? counter_node_aware
+       : reduce->fell_back() ? counter_ring
+                             : counter_shared)
           ->fetch_add(1);
       counter_sent->fetch_add(static_cast<uint64_t>(reduce->bytes_sent()));
       counter_received->fetch_add(static_cast<uint64_t>(reduce->bytes_received()));

@@ -146,10 +146,9 @@ class Simulation {
   int add_exchange(const std::vector<int>& ranks, double bytes) {
     Exchange e;
     e.missing = static_cast<int>(ranks.size());
-    for (const AllreduceStage& stage :
-         allreduce_stages(ranks, lws_, bytes,
-                          in_.node_aware ? AllreduceAlgorithm::kNodeAware
-                                         : AllreduceAlgorithm::kRing)) {
+    for (const AllreduceStage& stage : allreduce_stages(
+             ranks, lws_, bytes,
+             in_.node_aware ? AllreduceAlgorithm::kNodeAware : AllreduceAlgorithm::kRing)) {
       Stage st;
       st.work = stage.bytes_per_edge;
       for (const auto& [from, to] : stage.edges) {

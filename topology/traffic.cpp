@@ -108,8 +108,8 @@ std::vector<AllreduceStage> allreduce_stages(const std::vector<int>& ranks, int 
   for (int r : ranks) {
     nodes.push_back(node_of(r, local_world_size));
   }
-  const NodeShape shape = algorithm == AllreduceAlgorithm::kNodeAware ? node_aware_shape(nodes)
-                                                                       : NodeShape{};
+  const NodeShape shape =
+      algorithm == AllreduceAlgorithm::kNodeAware ? node_aware_shape(nodes) : NodeShape{};
   if (shape.nodes == 0) {
     AllreduceStage flat;
     std::vector<int> all(static_cast<size_t>(k));

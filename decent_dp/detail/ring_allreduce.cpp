@@ -238,9 +238,10 @@ NodeAwareAllreduce::NodeAwareAllreduce(const char* input, char* output, int64_t 
       element_size_(static_cast<int64_t>(c10::elementSize(dtype))),
       size_(static_cast<int>(nodes.size())) {
   if (!applies(nodes) || index < 0 || index >= size_) {
-    throw InvalidArgument(cat("NodeAwareAllreduce: needs >= 2 nodes of the same number (>= 2) of "
-                              "members and index in [0, ", size_ - 1, "], got ", size_,
-                              " members and index ", index));
+    throw InvalidArgument(
+        cat("NodeAwareAllreduce: needs >= 2 nodes of the same number (>= 2) of "
+            "members and index in [0, ",
+            size_ - 1, "], got ", size_, " members and index ", index));
   }
   const topology::NodeLayout layout = topology::node_layout(nodes, index);
   local_ = layout.local;
@@ -277,15 +278,15 @@ std::vector<MPI_Request> NodeAwareAllreduce::next() {
     }
     switch (phase_++) {
       case 0:  // 1. the node's sum of this rank's chunk
-        ring_ = std::make_unique<RingAllreduce>(input_, output_, numel_, dtype_, 1, comm_, local_,
-                                                local_index_, tag_, pool_,
-                                                RingPart::kReduceScatter);
+        ring_ =
+            std::make_unique<RingAllreduce>(input_, output_, numel_, dtype_, 1, comm_, local_,
+                                            local_index_, tag_, pool_, RingPart::kReduceScatter);
         continue;
       case 1: {  // 2. that chunk across the nodes
         char* chunk = output_ + chunk_begin_ * element_size_;
         ring_ = std::make_unique<RingAllreduce>(chunk, chunk, chunk_numel_, dtype_,
-                                                average_ ? size_ : 1, comm_, across_,
-                                                across_index_, tag_, pool_);
+                                                average_ ? size_ : 1, comm_, across_, across_index_,
+                                                tag_, pool_);
         continue;
       }
       case 2:  // 3. the finished chunks, inside the node

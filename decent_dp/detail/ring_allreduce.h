@@ -134,8 +134,8 @@ class NodeAwareAllreduce {
   // `nodes[m]`: the node of group member m (members in group order, m = rank in `comm`);
   // every node must hold the same number (>= 2) of members and there must be >= 2 nodes.
   NodeAwareAllreduce(const char* input, char* output, int64_t numel, c10::ScalarType dtype,
-                     bool average, MPI_Comm comm, int index, const std::vector<int>& nodes,
-                     int tag, ScratchPool& pool);
+                     bool average, MPI_Comm comm, int index, const std::vector<int>& nodes, int tag,
+                     ScratchPool& pool);
 
   // As RingAllreduce::next().
   std::vector<MPI_Request> next();
@@ -156,12 +156,12 @@ class NodeAwareAllreduce {
   int tag_;
   ScratchPool& pool_;
   int64_t element_size_;
-  int size_;                  // k, the group
-  std::vector<int> local_;    // this node's members, in group order
-  int local_index_ = 0;       // this rank's position in local_
-  std::vector<int> across_;   // the members of this position, one per node, in node order
-  int across_index_ = 0;      // this rank's position in across_
-  int64_t chunk_begin_ = 0;   // the chunk this rank reduces across the nodes (elements)
+  int size_;                 // k, the group
+  std::vector<int> local_;   // this node's members, in group order
+  int local_index_ = 0;      // this rank's position in local_
+  std::vector<int> across_;  // the members of this position, one per node, in node order
+  int across_index_ = 0;     // this rank's position in across_
+  int64_t chunk_begin_ = 0;  // the chunk this rank reduces across the nodes (elements)
   int64_t chunk_numel_ = 0;
   int phase_ = 0;
   std::unique_ptr<RingAllreduce> ring_;

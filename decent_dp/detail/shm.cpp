@@ -305,9 +305,8 @@ std::vector<MPI_Request> ShmAllreduce::next() {
         // Some member's buffers are private: every member sees the same descriptors and
         // takes the ring, or the node-aware path where the caller found one.
         if (!nodes_.empty()) {
-          node_aware_ = std::make_unique<NodeAwareAllreduce>(input_, output_, numel_, dtype_,
-                                                             average_, comm_, index_, nodes_, tag_,
-                                                             pool_);
+          node_aware_ = std::make_unique<NodeAwareAllreduce>(
+              input_, output_, numel_, dtype_, average_, comm_, index_, nodes_, tag_, pool_);
           return node_aware_->next();
         }
         ring_ = std::make_unique<RingAllreduce>(input_, output_, numel_, dtype_, average_, comm_,

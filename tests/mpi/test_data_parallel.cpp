@@ -324,8 +324,8 @@ TEST_CASE("the node-aware all-reduce trains as the simulator and as one process"
     auto net = make_mlp();
     const auto before = nodes->stats();
     {
-      DecentralizedDataParallel<torch::nn::Sequential> model(net, small_buckets(name, lws),
-                                                             factory, nullptr, nodes);
+      DecentralizedDataParallel<torch::nn::Sequential> model(net, small_buckets(name, lws), factory,
+                                                             nullptr, nodes);
       for (int step = 0; step < 12; ++step) {
         auto b = batch_for(false, rank, step);
         torch::mse_loss(model.forward(b.x), b.y).backward();

@@ -708,9 +708,8 @@ TEST_CASE("ranks_per_node and node_aware_min_bytes: bad or differing values are 
   CHECK_THROWS_WITH(MpiCommunicator(bad), Catch::Contains("ranks_per_node must be >= 0"));
   bad.ranks_per_node = 0;
   bad.node_aware_min_bytes = -1;
-  CHECK_THROWS_WITH(MpiCommunicator(bad),
-                    Catch::Contains("node_aware_min_bytes must be >= 0") &&
-                        Catch::Contains("got -1"));
+  CHECK_THROWS_WITH(MpiCommunicator(bad), Catch::Contains("node_aware_min_bytes must be >= 0") &&
+                                              Catch::Contains("got -1"));
   if (n > 1) {
     MpiOptions differ = shm_options(1, 0);
     differ.node_aware_min_bytes = comm().rank() == 0 ? 0 : 100;

@@ -422,7 +422,8 @@ TEST_CASE("traffic: bytes per rank and per NIC of every built-in at n = 8, flat 
     CHECK(nic_table("ring", 8, 4) ==
           std::vector<NicSlot>{{P{0, 0}, P{0, 0}}, {P{16, 2}, P{16, 2}}});
     auto t = make_topology("ring", 8, 4);
-    CHECK(slot_traffic(*t, 1, 8.0, AllreduceAlgorithm::kRing).sent_inter == std::vector<double>{8, 0, 0, 8, 8, 0, 0, 8});
+    CHECK(slot_traffic(*t, 1, 8.0, AllreduceAlgorithm::kRing).sent_inter ==
+          std::vector<double>{8, 0, 0, 8, 8, 0, 0, 8});
   }
   SECTION("one-peer-exp") {
     // Slots pair j with j + 1, j + 2, j + 4: at lws 2 the last two cross with both ranks
