@@ -27,8 +27,10 @@
 // Every rank trains at the same time in every case, so the machine is equally loaded; the
 // time of a case in one round is the slowest rank's mean over the timed steps. Rounds run
 // every case in turn; the ratio to local training is the median over rounds of the ratio
-// within a round. CPU columns: the training thread's CPU time and that of every other thread
-// of the process (the communicator's progress thread), per step.
+// within a round. wait ms: the time a rank spent blocked on the wrapper's exchanges per timed
+// step (exchange_wait_seconds()), the mean over ranks, median over rounds: what the planner
+// calls wait. CPU columns: the training thread's CPU time and that of every other thread of
+// the process (the communicator's progress thread), per step.
 #define OMPI_SKIP_MPICXX 1
 #include <mpi.h>
 
@@ -159,6 +161,14 @@ double slowest(double ms) {
   double out = 0;
   MPI_Allreduce(&ms, &out, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   return out;
+}
+
+double rank_mean(double ms) {
+  double out = 0;
+  int n = 1;
+  MPI_Allreduce(&ms, &out, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return out / n;
 }
 
 }  // namespace
@@ -298,11 +308,15 @@ int main(int argc, char** argv) {
     std::string name;
     std::function<void()> step;
     std::function<void()> finish;
+    std::function<double()> wait_s;  // seconds blocked on exchanges so far (0: no wrapper)
     std::vector<double> ms;
+    std::vector<double> wait_ms;       // ranks' mean time blocked on exchanges
     std::vector<double> main_cpu_ms;   // CPU time of the calling thread
     std::vector<double> other_cpu_ms;  // CPU time of threads other than the caller's
-    Case(std::string n, std::function<void()> s, std::function<void()> f, std::vector<double> m)
-        : name(std::move(n)), step(std::move(s)), finish(std::move(f)), ms(std::move(m)) {}
+    Case(
+        std::string n, std::function<void()> s, std::function<void()> f,
+        std::function<double()> w = [] { return 0.0; })
+        : name(std::move(n)), step(std::move(s)), finish(std::move(f)), wait_s(std::move(w)) {}
   };
   std::vector<Case> cases;
   std::vector<std::shared_ptr<void>> keep;  // models, optimizers and wrappers of the cases
@@ -322,8 +336,7 @@ int main(int argc, char** argv) {
                        if (barrier)
                          comm->barrier();
                      },
-                     [] {},
-                     {}});
+                     [] {}});
   };
   local_case(false);
   // The same with every rank waiting for the others after each step: the cost of coupling
@@ -352,8 +365,7 @@ int main(int argc, char** argv) {
     cases.push_back(
         {std::string("DistributedDataParallel (all-reduce)") + suffix,
          [model, &x, &y] { torch::cross_entropy_loss(model->forward(x), y).backward(); },
-         [model] { model->synchronize(); },
-         {}});
+         [model] { model->synchronize(); }, [model] { return model->exchange_wait_seconds(); }});
   };
   auto add_gossip = [&](const std::string& t, const std::shared_ptr<decent_dp::Communicator>& with,
                         const char* suffix) {
@@ -374,8 +386,7 @@ int main(int argc, char** argv) {
     cases.push_back(
         {"DecentralizedDataParallel " + model->topology().name() + suffix,
          [model, &x, &y] { torch::cross_entropy_loss(model->forward(x), y).backward(); },
-         [model] { model->synchronize(); },
-         {}});
+         [model] { model->synchronize(); }, [model] { return model->exchange_wait_seconds(); }});
   };
   if (!no_ddp)
     add_ddp(comm, "");
@@ -407,6 +418,7 @@ int main(int argc, char** argv) {
       sync_device();
       const double process0 = cpu_ms(CLOCK_PROCESS_CPUTIME_ID);
       const double thread0 = cpu_ms(CLOCK_THREAD_CPUTIME_ID);
+      const double wait0 = c.wait_s();
       const auto t0 = Clock::now();
       for (int i = 0; i < steps; ++i)
         c.step();
@@ -414,11 +426,14 @@ int main(int argc, char** argv) {
         c.finish();
       sync_device();
       const double elapsed = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      // Blocked on exchanges during the timed steps (the drain after the clock is not).
+      const double waited_ms = (c.wait_s() - wait0) * 1000.0;
       if (round_warmup > 0) {
         c.finish();
         sync_device();
       }
       c.ms.push_back(slowest(elapsed / steps));
+      c.wait_ms.push_back(rank_mean(waited_ms / steps));
       const double other = (cpu_ms(CLOCK_PROCESS_CPUTIME_ID) - process0) -
                            (cpu_ms(CLOCK_THREAD_CPUTIME_ID) - thread0);
       c.other_cpu_ms.push_back(slowest(std::max(0.0, other) / steps));
@@ -435,8 +450,8 @@ int main(int argc, char** argv) {
   const std::vector<double> local_rounds = cases.front().ms;
   const double local_ms = median(local_rounds);
   if (rank == 0) {
-    fmt::print("{:<40} {:>9} {:>8} {:>9} {:>17} {:>13}\n", "case", "ms/step", "x local",
-               "(medians)", "rounds ms", "CPU ms/step: caller, other threads");
+    fmt::print("{:<40} {:>9} {:>8} {:>9} {:>17} {:>8} {:>13}\n", "case", "ms/step", "x local",
+               "(medians)", "rounds ms", "wait ms", "CPU ms/step: caller, other threads");
   }
   for (auto& c : cases) {
     std::vector<double> paired;
@@ -446,16 +461,19 @@ int main(int argc, char** argv) {
     const double ms = median(c.ms);
     const double main_cpu = median(c.main_cpu_ms);
     const double other_cpu = median(c.other_cpu_ms);
+    const double wait = median(c.wait_ms);
     const auto [lo, hi] = std::minmax_element(c.ms.begin(), c.ms.end());
     if (rank == 0) {
-      fmt::print("{:<40} {:>9.1f} {:>7.3f}x {:>9.3f} {:>8.1f} .. {:<6.1f} {:>8.1f}, {:.1f}\n",
-                 c.name, ms, ratio, ms / local_ms, *lo, *hi, main_cpu, other_cpu);
+      fmt::print(
+          "{:<40} {:>9.1f} {:>7.3f}x {:>9.3f} {:>8.1f} .. {:<6.1f} {:>8.1f} {:>8.1f}, {:.1f}\n",
+          c.name, ms, ratio, ms / local_ms, *lo, *hi, wait, main_cpu, other_cpu);
     }
     rows.push_back({{"case", c.name},
                     {"ms_per_step", ms},
                     {"ratio_to_local", ratio},
                     {"ratio_of_medians", ms / local_ms},
                     {"rounds_ms", c.ms},
+                    {"wait_ms_per_step", wait},
                     {"caller_cpu_ms_per_step", main_cpu},
                     {"other_threads_cpu_ms_per_step", other_cpu}});
   }

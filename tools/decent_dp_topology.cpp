@@ -13,7 +13,7 @@
 //
 //   decent_dp_topology --plan -n 8 --lws 2 --params 3e6 --compute-ms 300
 //                      --intra-bw 2000 --inter-bw 30 [--flow-bw 0] [--shared-efficiency 1]
-//                      [--latency-us 0]
+//                      [--ring-efficiency 0] [--latency-us 0]
 //
 // --plan predicts the time per step of all-reduce and of every built-in topology that fits
 // (or of --name, when given) on that cluster (Note [planner model] in
@@ -98,8 +98,13 @@ int main(int argc, char** argv) {
   app.add_option("--flow-bw", flow_mbs, "plan: MB/s cap of one flow across nodes (0: none)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--shared-efficiency", in.shared_efficiency,
-                 "plan: share of a NIC that several flows in flight across get together")
+                 "plan: share of a NIC that several flows in flight across get together, as "
+                 "pairwise exchanges")
       ->check(CLI::Range(0.01, 1.0));
+  app.add_option("--ring-efficiency", in.ring_efficiency,
+                 "plan: the same for edges of rings of 3 or more members (0: "
+                 "--shared-efficiency)")
+      ->check(CLI::Range(0.0, 1.0));
   bool fifo = false;
   app.add_flag("--fifo-exchanges", fifo,
                "plan: exchanges on one link run one after another instead of sharing it");
@@ -169,6 +174,7 @@ int main(int argc, char** argv) {
       out["inter_bw_bytes_per_s"] = in.inter_bw;
       out["flow_bw_bytes_per_s"] = in.flow_bw;
       out["shared_efficiency"] = in.shared_efficiency;
+      out["ring_efficiency"] = in.ring_efficiency > 0 ? in.ring_efficiency : in.shared_efficiency;
       out["latency_us"] = in.latency_us;
       out["allreduce"] = flat_ring ? "ring" : "node-aware";
       out["skipped"] = skipped;

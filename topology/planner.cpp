@@ -89,6 +89,8 @@ void PlanInputs::validate() const {
     bad("latency_us", latency_us, ">= 0");
   if (!(shared_efficiency > 0 && shared_efficiency <= 1))
     bad("shared_efficiency", shared_efficiency, "in (0, 1]");
+  if (!(ring_efficiency >= 0 && ring_efficiency <= 1))
+    bad("ring_efficiency", ring_efficiency, "in (0, 1] (0: shared_efficiency)");
   if (steps < 0)
     bad("steps", steps, ">= 0 (0: four periods)");
 }
@@ -134,6 +136,8 @@ class Simulation {
         lws_(local_world_size),
         out_flows_(static_cast<size_t>(nodes()), 0),
         in_flows_(static_cast<size_t>(nodes()), 0),
+        out_paired_(static_cast<size_t>(nodes()), 0),
+        in_paired_(static_cast<size_t>(nodes()), 0),
         pairs_out_(static_cast<size_t>(nodes())),
         pairs_in_(static_cast<size_t>(nodes())) {}
 
@@ -153,6 +157,10 @@ class Simulation {
       st.work = stage.bytes_per_edge;
       for (const auto& [from, to] : stage.edges) {
         st.pairs.push_back(pair_id(from, to));
+        // A ring of two members: the stage also sends the other way between the two ranks.
+        const std::pair<int, int> back{to, from};
+        st.paired.push_back(
+            std::find(stage.edges.begin(), stage.edges.end(), back) != stage.edges.end() ? 1 : 0);
       }
       e.latency_ms += stage.steps * in_.latency_us * 1e-3;
       e.stages.push_back(std::move(st));
@@ -209,18 +217,21 @@ class Simulation {
     bool cross = false;
     int src_node = 0, dst_node = 0;
     std::vector<int> active;  // exchanges on this edge, in the order they started
+    int paired_active = 0;    // those of them that use it in a ring of two members
   };
   struct Stage {
-    std::vector<int> pairs;  // its edges
-    double work = 0;         // bytes each edge moves
+    std::vector<int> pairs;    // its edges
+    std::vector<char> paired;  // per edge: in a ring of two members
+    double work = 0;           // bytes each edge moves
   };
   struct Exchange {
     std::vector<Stage> stages;
-    size_t stage = 0;        // the next stage to start
-    std::vector<int> pairs;  // the edges of the stage in flight
-    int missing = 0;         // members yet to launch it
-    double work = 0;         // bytes each edge of the stage in flight still has to move
-    double latency_ms = 0;   // of all its steps, added at the end
+    size_t stage = 0;          // the next stage to start
+    std::vector<int> pairs;    // the edges of the stage in flight
+    std::vector<char> paired;  // and whether each is in a ring of two members
+    int missing = 0;           // members yet to launch it
+    double work = 0;           // bytes each edge of the stage in flight still has to move
+    double latency_ms = 0;     // of all its steps, added at the end
     double start = -1, done = -1;
     double rate = 0;  // bytes per ms on every edge
     double updated = 0;
@@ -266,13 +277,16 @@ class Simulation {
   }
 
   // The edges whose rate changes when `e` starts or ends: its own, and every edge through a
-  // NIC whose count of flows in flight changes with it.
+  // NIC whose count of flows in flight (or of paired ones) changes with it.
   std::vector<int> touched_pairs(const Exchange& e, bool starting) const {
     std::vector<int> out = e.pairs;
-    for (int p : e.pairs) {
-      const Pair& pair = pairs_[static_cast<size_t>(p)];
+    for (size_t k = 0; k < e.pairs.size(); ++k) {
+      const Pair& pair = pairs_[static_cast<size_t>(e.pairs[k])];
       const size_t in_flight = pair.active.size();
-      if (pair.cross && (starting ? in_flight == 0 : in_flight == 1)) {
+      const bool flow_changes = starting ? in_flight == 0 : in_flight == 1;
+      const bool paired_changes =
+          e.paired[k] != 0 && (starting ? pair.paired_active == 0 : pair.paired_active == 1);
+      if (pair.cross && (flow_changes || paired_changes)) {
         const auto& o = pairs_out_[static_cast<size_t>(pair.src_node)];
         const auto& i = pairs_in_[static_cast<size_t>(pair.dst_node)];
         out.insert(out.end(), o.begin(), o.end());
@@ -306,17 +320,24 @@ class Simulation {
     }
   }
 
-  double nic_share(int flows) const {
+  // One flow's share of a NIC with `flows` in flight, `paired` of them pairwise exchanges.
+  double nic_share(int flows, int paired) const {
     const double bw = in_.inter_bw * 1e-3;  // bytes per ms
-    return flows <= 1 ? bw : in_.shared_efficiency * bw / flows;
+    if (flows <= 1) {
+      return bw;
+    }
+    const double ring = in_.ring_efficiency > 0 ? in_.ring_efficiency : in_.shared_efficiency;
+    const double efficiency = (paired * in_.shared_efficiency + (flows - paired) * ring) / flows;
+    return efficiency * bw / flows;
   }
 
   double edge_rate(const Pair& p) const {
     if (!p.cross) {
       return in_.intra_bw * 1e-3;
     }
-    double bw = std::min(nic_share(out_flows_[static_cast<size_t>(p.src_node)]),
-                         nic_share(in_flows_[static_cast<size_t>(p.dst_node)]));
+    const auto src = static_cast<size_t>(p.src_node), dst = static_cast<size_t>(p.dst_node);
+    double bw = std::min(nic_share(out_flows_[src], out_paired_[src]),
+                         nic_share(in_flows_[dst], in_paired_[dst]));
     if (in_.flow_bw > 0) {
       bw = std::min(bw, in_.flow_bw * 1e-3);
     }
@@ -367,16 +388,24 @@ class Simulation {
         continue;
       }
       e.pairs = std::move(stage.pairs);
+      e.paired = std::move(stage.paired);
       e.work = stage.work;
       const std::vector<int> touched = touched_pairs(e, /*starting=*/true);
       settle(touched);
-      for (int p : e.pairs) {
-        Pair& pair = pairs_[static_cast<size_t>(p)];
+      for (size_t k = 0; k < e.pairs.size(); ++k) {
+        Pair& pair = pairs_[static_cast<size_t>(e.pairs[k])];
+        const auto src = static_cast<size_t>(pair.src_node);
+        const auto dst = static_cast<size_t>(pair.dst_node);
         if (pair.cross && pair.active.empty()) {
-          ++out_flows_[static_cast<size_t>(pair.src_node)];
-          ++in_flows_[static_cast<size_t>(pair.dst_node)];
+          ++out_flows_[src];
+          ++in_flows_[dst];
+        }
+        if (pair.cross && e.paired[k] != 0 && pair.paired_active == 0) {
+          ++out_paired_[src];
+          ++in_paired_[dst];
         }
         pair.active.push_back(id);
+        pair.paired_active += e.paired[k];
       }
       e.active = true;
       e.updated = now_;
@@ -396,17 +425,25 @@ class Simulation {
     Exchange& e = exchanges_[static_cast<size_t>(id)];
     const std::vector<int> touched = touched_pairs(e, /*starting=*/false);
     settle(touched);
-    for (int p : e.pairs) {
-      Pair& pair = pairs_[static_cast<size_t>(p)];
+    for (size_t k = 0; k < e.pairs.size(); ++k) {
+      Pair& pair = pairs_[static_cast<size_t>(e.pairs[k])];
+      const auto src = static_cast<size_t>(pair.src_node);
+      const auto dst = static_cast<size_t>(pair.dst_node);
       pair.active.erase(std::find(pair.active.begin(), pair.active.end(), id));
+      pair.paired_active -= e.paired[k];
+      if (pair.cross && e.paired[k] != 0 && pair.paired_active == 0) {
+        --out_paired_[src];
+        --in_paired_[dst];
+      }
       if (pair.cross && pair.active.empty()) {
-        --out_flows_[static_cast<size_t>(pair.src_node)];
-        --in_flows_[static_cast<size_t>(pair.dst_node)];
+        --out_flows_[src];
+        --in_flows_[dst];
       }
     }
     e.active = false;
     e.work = 0;
     e.pairs.clear();
+    e.paired.clear();
     rerate(touched);
     next_stage(id);
   }
@@ -417,7 +454,8 @@ class Simulation {
   std::vector<Exchange> exchanges_;
   std::vector<Pair> pairs_;
   std::unordered_map<int64_t, int> pair_index_;
-  std::vector<int> out_flows_, in_flows_;  // per node: edges across with exchanges in flight
+  std::vector<int> out_flows_, in_flows_;    // per node: edges across with exchanges in flight
+  std::vector<int> out_paired_, in_paired_;  // those of them in a ring of two members
   std::vector<std::vector<int>> pairs_out_, pairs_in_;  // per node: its edges across
   std::vector<uint64_t> seen_;
   uint64_t stamp_ = 0;

@@ -21,7 +21,11 @@
 //     and rates change only when an exchange starts or ends. An edge inside a node runs at
 //     intra_bw. An edge across nodes is a flow out of one node's NIC and into another's: a
 //     NIC with one flow in flight gives it inter_bw, one with f > 1 flows in flight gives each
-//     shared_efficiency * inter_bw / f (the slower of the two ends, capped at flow_bw). Flows
+//     e * inter_bw / f (the slower of the two ends, capped at flow_bw), where e is the mean
+//     over those flows of shared_efficiency for a flow of a pairwise exchange (its ring has
+//     two members, so data goes both ways between the same two ranks) and ring_efficiency for
+//     an edge of a longer ring: the two patterns share a NIC differently over TCP, and the
+//     calibration measures both (Note [pairs and rings share a NIC differently]). Flows
 //     are counted from what is in flight at that instant, not per slot: exchanges of two
 //     steps overlap when one outlasts a step, and ranks that start late share less. Several
 //     exchanges on one edge (a step's buckets, all in flight together: the MPI backend
@@ -34,6 +38,18 @@
 //     launched when b is ready; the step ends when the backward and every all-reduce are
 //     done, then the optimizer runs (optimizer_ms) and the next forward starts.
 // The step time is the mean over the simulated steps after one warm-up period (at least 8).
+//
+// Note [pairs and rings share a NIC differently]
+// Two flows out of one NIC do not get the same share of it in every pattern. Measured on the
+// emulated cluster (4 nodes of 2 ranks, 400 Mbit/s links, 16 MiB per rank as 4 all-reduces
+// in flight, each alone): pairwise exchanges across nodes (ring's and one-peer-exp's slots
+// across, 2 flows per NIC, data both ways between the same two ranks) moved 35-38 MB/s out
+// of each NIC, the node-aware all-reduce of all 8 ranks (two rings of 4 across the nodes, 2
+// flows per NIC, each flow one way) 44.7 MB/s, and the flat ring of 8 (1 flow per NIC)
+// 46.6 MB/s. So the planner takes two efficiencies: shared_efficiency for flows of pairwise
+// exchanges, ring_efficiency for the edges of longer rings; `calibrate` measures the first
+// with one-peer-exp's last slot and, on 3 nodes or more, the second with the node-aware
+// all-reduce of every rank.
 #pragma once
 
 #include <string>
@@ -49,13 +65,16 @@ struct PlanInputs {
   double compute_ms = 0;             // forward + backward per step and rank
   double backward_fraction = 2.0 / 3.0;
   double jitter_ms = 0;
-  double optimizer_ms = 0;       // per step, all buckets
-  double intra_bw = 0;           // bytes/s of an edge inside a node
-  double inter_bw = 0;           // bytes/s out of one node's NIC
-  double flow_bw = 0;            // bytes/s cap of one flow across nodes (0: no cap)
-  double shared_efficiency = 1;  // (0, 1]: the NIC's share that several flows get together
-  double latency_us = 0;         // per ring step
-  int steps = 0;                 // simulated steps after the warm-up (0: 4 periods, >= 32)
+  double optimizer_ms = 0;  // per step, all buckets
+  double intra_bw = 0;      // bytes/s of an edge inside a node
+  double inter_bw = 0;      // bytes/s out of one node's NIC
+  double flow_bw = 0;       // bytes/s cap of one flow across nodes (0: no cap)
+  // (0, 1]: the NIC's share that several flows get together when they are pairwise exchanges
+  // (rings of two members), and when they are edges of longer rings (0: shared_efficiency).
+  double shared_efficiency = 1;
+  double ring_efficiency = 0;
+  double latency_us = 0;  // per ring step
+  int steps = 0;          // simulated steps after the warm-up (0: 4 periods, >= 32)
   // Exchanges in flight on one edge share it equally (the MPI backend progresses every
   // operation at once); false: the first one started gets the whole edge, one after another.
   bool shared_exchanges = true;

@@ -606,6 +606,35 @@ TEST_CASE("planner: hand-computed step times", "[topology][planner]") {
     CHECK(predict_gossip(*aer, in).step_ms == Approx(50.0));
     CHECK(predict_gossip(*aer, in).comm_ms == Approx((4.0 + 44.0) / 2));
   }
+  SECTION("pairs and rings share a NIC with their own efficiencies") {
+    // Note [pairs and rings share a NIC differently]. All-reduce of 4 MB over 4 nodes of 2,
+    // node-aware: a reduce-scatter inside each node (2 MB at 1 GB/s: 2 ms), each 2 MB chunk on
+    // its own ring of 4 across the nodes (2 x 3/4 x 2 MB = 3 MB per edge; every NIC has the two
+    // rings' flows, one way each: ring_efficiency), an all-gather inside (2 ms).
+    in.compute_ms = 50;
+    in.node_aware = true;
+    in.shared_efficiency = 0.5;
+    // ring_efficiency 0 takes shared_efficiency: 25 MB/s per flow, 120 ms across.
+    CHECK(predict_allreduce(8, 2, in).step_ms == Approx(50.0 + 2 + 120 + 2));
+    in.ring_efficiency = 1;  // 50 MB/s per flow: 60 ms
+    CHECK(predict_allreduce(8, 2, in).step_ms == Approx(50.0 + 2 + 60 + 2));
+    // On 2 nodes the chunks cross on rings of two (pairs, data both ways): shared_efficiency,
+    // 2 MB at 25 MB/s = 80 ms, whatever ring_efficiency says.
+    CHECK(predict_allreduce(4, 2, in).step_ms == Approx(50.0 + 2 + 80 + 2));
+    in.ring_efficiency = 0.25;
+    CHECK(predict_allreduce(4, 2, in).step_ms == Approx(50.0 + 2 + 80 + 2));
+    // The ring topology's slot across (pairs [1,2] [3,0] at n = 4, lws = 2): pairs too. Its
+    // flat all-reduce, one flow per NIC, takes no efficiency at all: 6 x 1 MB at 100 MB/s.
+    auto t = make_topology("ring", 4, 2);
+    in.ring_efficiency = 1;
+    const double with_ring = predict_gossip(*t, in).step_ms;
+    in.ring_efficiency = 0;
+    CHECK(predict_gossip(*t, in).step_ms == Approx(with_ring));
+    CHECK(with_ring == Approx((4.0 / 25 * 1e3 + 50) / 2));
+    in.node_aware = false;
+    in.ring_efficiency = 0.25;
+    CHECK(predict_allreduce(4, 2, in).step_ms == Approx(110.0));
+  }
   SECTION("buckets: all-reduce overlaps the earlier buckets with the backward") {
     // Two equal buckets of 2 MB on one node of 4 (3 ms each), 100 ms compute: the first
     // all-reduce runs during the second half of the backward, only the second one is exposed.
@@ -672,5 +701,9 @@ TEST_CASE("planner: hand-computed step times", "[topology][planner]") {
     in.shared_efficiency = 0;
     CHECK_THROWS_WITH(predict_allreduce(4, 2, in),
                       Catch::Contains("shared_efficiency must be in (0, 1]"));
+    in.shared_efficiency = 1;
+    in.ring_efficiency = 1.5;
+    CHECK_THROWS_WITH(predict_allreduce(4, 2, in),
+                      Catch::Contains("ring_efficiency must be in (0, 1] (0: shared_efficiency)"));
   }
 }
