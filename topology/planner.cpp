@@ -8,6 +8,7 @@
 #include <numeric>
 #include <queue>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "decent_dp/topology/traffic.h"
@@ -157,10 +158,13 @@ class Simulation {
       st.work = stage.bytes_per_edge;
       for (const auto& [from, to] : stage.edges) {
         st.pairs.push_back(pair_id(from, to));
-        // A ring of two members: the stage also sends the other way between the two ranks.
-        const std::pair<int, int> back{to, from};
-        st.paired.push_back(
-            std::find(stage.edges.begin(), stage.edges.end(), back) != stage.edges.end() ? 1 : 0);
+      }
+      // An edge of a ring of two members: the stage also sends the other way between the two
+      // ranks (pair_id of the reverse edge is among the stage's).
+      const std::unordered_set<int> ids(st.pairs.begin(), st.pairs.end());
+      for (const auto& [from, to] : stage.edges) {
+        const auto back = pair_index_.find(static_cast<int64_t>(to) * n_ + from);
+        st.paired.push_back(back != pair_index_.end() && ids.count(back->second) != 0 ? 1 : 0);
       }
       e.latency_ms += stage.steps * in_.latency_us * 1e-3;
       e.stages.push_back(std::move(st));
