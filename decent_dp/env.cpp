@@ -90,5 +90,10 @@ bool node_aware() {
   return value;
 }
 
+int ring_lanes() {
+  static const int value = static_cast<int>(read_int("DECENT_DP_RING_LANES", 4, 1, 8));
+  return value;
+}
+
 }  // namespace env
 }  // namespace decent_dp

@@ -14,6 +14,10 @@
 //   DECENT_DP_NODE_AWARE         1 | 0: groups spread evenly over several nodes all-reduce
 //                                inside each node first (Note [node-aware all-reduce];
 //                                default 1; the same on every rank)
+//   DECENT_DP_RING_LANES         1..8: an all-reduce over MPI messages of at least twice
+//                                MpiOptions::ring_lane_min_bytes runs as up to this many
+//                                independent rings over segments of its buffer (Note [ring
+//                                lanes]; default 4; the same on every rank)
 //
 // Options structs take precedence only when their fields are set explicitly; the
 // environment supplies the defaults.
@@ -35,6 +39,7 @@ int64_t stall_warn_ms();
 int64_t progress_interval_us();
 bool shared_memory();
 bool node_aware();
+int ring_lanes();
 
 }  // namespace env
 }  // namespace decent_dp

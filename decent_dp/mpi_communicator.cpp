@@ -225,6 +225,8 @@ struct MpiCommunicator::Impl {
   bool shared_memory = false;
   int64_t shared_memory_min_bytes = 0;
   int64_t node_aware_min_bytes = -1;
+  int ring_lanes = 1;  // Note [ring lanes]
+  int64_t ring_lane_min_bytes = 1 << 20;
   int ranks_per_node = 0;
   detail::PeerSegmentCache peers;  // engine token holder only
   std::atomic<bool> warned_allocation{false};
@@ -266,9 +268,20 @@ struct MpiCommunicator::Impl {
   std::shared_ptr<Work> submit(std::shared_ptr<Work> work,
                                std::function<std::vector<MPI_Request>()> next,
                                std::function<void()> complete = nullptr) {
+    return submit_lanes(
+        std::move(work), [next = std::move(next)](int) { return next(); }, nullptr,
+        std::move(complete));
+  }
+
+  // An operation of several lanes (Note [lanes] in detail/progress_engine.h).
+  std::shared_ptr<Work> submit_lanes(std::shared_ptr<Work> work,
+                                     std::function<std::vector<MPI_Request>(int)> next,
+                                     std::function<int()> lanes,
+                                     std::function<void()> complete = nullptr) {
     auto op = std::make_unique<Op>();
     op->work = work;
     op->next = std::move(next);
+    op->lanes = std::move(lanes);
     op->complete = std::move(complete);
     engine->enqueue(std::move(op));
     return work;
@@ -517,6 +530,14 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
                       "= 0 turns the path off), got ",
                       options.node_aware_min_bytes);
   d.node_aware_min_bytes = node_aware ? options.node_aware_min_bytes : -1;
+  d.ring_lanes = options.ring_lanes < 0 ? env::ring_lanes() : options.ring_lanes;
+  DECENT_DP_CHECK_ARG(d.ring_lanes >= 1 && d.ring_lanes <= detail::kMaxLanes,
+                      "MpiCommunicator: MpiOptions::ring_lanes must be in [1, ", detail::kMaxLanes,
+                      "] (or -1: DECENT_DP_RING_LANES), got ", options.ring_lanes);
+  DECENT_DP_CHECK_ARG(options.ring_lane_min_bytes >= 1,
+                      "MpiCommunicator: MpiOptions::ring_lane_min_bytes must be >= 1, got ",
+                      options.ring_lane_min_bytes);
+  d.ring_lane_min_bytes = options.ring_lane_min_bytes;
   DECENT_DP_CHECK_ARG(options.ranks_per_node >= 0,
                       "MpiCommunicator: MpiOptions::ranks_per_node must be >= 0 (0: nodes as MPI "
                       "finds them), got ",
@@ -560,9 +581,13 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
           MPI_Allgather(&leader, 1, MPI_INT, d.node_of.data(), 1, MPI_INT, d.world));
       // The transport choices must agree (Note [shared-memory transport], Note [node-aware
       // all-reduce]): every rank sees the same table and fails the same way.
-      constexpr int kSettings = 4;
-      const int64_t mine[kSettings] = {d.shared_memory ? 1 : 0, d.shared_memory_min_bytes,
-                                       d.node_aware_min_bytes, d.ranks_per_node};
+      constexpr int kSettings = 6;
+      const int64_t mine[kSettings] = {d.shared_memory ? 1 : 0,
+                                       d.shared_memory_min_bytes,
+                                       d.node_aware_min_bytes,
+                                       d.ranks_per_node,
+                                       d.ring_lanes,
+                                       d.ring_lane_min_bytes};
       std::vector<int64_t> all(kSettings * static_cast<size_t>(d.size));
       DECENT_DP_MPI_CHECK(
           MPI_Allgather(mine, kSettings, MPI_INT64_T, all.data(), kSettings, MPI_INT64_T, d.world));
@@ -580,6 +605,12 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : impl_(std::make_unique<Im
                   "DECENT_DP_NODE_AWARE and node_aware_min_bytes; -1: off) and ranks_per_node must "
                   "be the same on every rank: rank 0 has ",
                   all[2], " and ", all[3], ", rank ", r, " has ", theirs[2], " and ", theirs[3]));
+        }
+        if (theirs[4] != all[4] || theirs[5] != all[5]) {
+          throw InvalidArgument(
+              cat("MpiCommunicator: MpiOptions::ring_lanes (DECENT_DP_RING_LANES) and "
+                  "ring_lane_min_bytes must be the same on every rank: rank 0 has ",
+                  all[4], " and ", all[5], ", rank ", r, " has ", theirs[4], " and ", theirs[5]));
         }
       }
       if (d.ranks_per_node > 0) {
@@ -801,7 +832,8 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
           options.label.empty() ? "" : ", ", options.label, ")"));
   // Note [ring all-reduce over point-to-point]: the operation is created when it starts, by
   // the engine's token holder, which also assigns its tag in submission order.
-  using Next = std::function<std::vector<MPI_Request>()>;
+  // Lanes (Note [ring lanes]) advance independently; the operation's accounting runs once
+  // all of them are done.
   auto state = std::make_shared<std::unique_ptr<detail::ShmAllreduce>>();
   detail::ProgressEngine* engine = d.engine.get();
   detail::PeerSegmentCache* peers = &d.peers;
@@ -812,31 +844,37 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
   std::atomic<uint64_t>* counter_received = &d.allreduce_bytes_received;
   MpiWork* started = work.get();
   d.watch(*work, group);
-  Next next = [state, engine, peers, counter_ring, counter_shared, counter_node_aware, counter_sent,
-               counter_received, group, input, data, numel, dtype, average, try_shared, started,
-               header, nodes = std::move(nodes)] {
+  const int max_lanes = d.ring_lanes;
+  const int64_t lane_min_bytes = d.ring_lane_min_bytes;
+  auto next = [state, engine, peers, group, input, data, numel, dtype, average, try_shared, started,
+               header, nodes = std::move(nodes), max_lanes,
+               lane_min_bytes](int lane) -> std::vector<MPI_Request> {
     auto& reduce = *state;
     if (!reduce) {
       const int64_t sequence = group->sequence;
       started->set_sequence(sequence);
-      const int tag = static_cast<int>(group->sequence++ % 32768u);
+      // Lane j's messages carry tag + j (Note [ring lanes]).
+      const int tag = detail::operation_tag(group->sequence++, 0);
       reduce = std::make_unique<detail::ShmAllreduce>(
           input, data, numel, dtype, average, group->comm, group->index, group->size, tag,
-          engine->scratch(), *peers, header, try_shared, group->ranks, sequence, nodes);
+          engine->scratch(), *peers, header, try_shared, group->ranks, sequence, nodes, max_lanes,
+          lane_min_bytes);
     }
-    std::vector<MPI_Request> requests = reduce->next();
-    if (requests.empty()) {
-      (reduce->node_aware()  ? counter_node_aware
-       : reduce->fell_back() ? counter_ring
-                             : counter_shared)
-          ->fetch_add(1);
-      counter_sent->fetch_add(static_cast<uint64_t>(reduce->bytes_sent()));
-      counter_received->fetch_add(static_cast<uint64_t>(reduce->bytes_received()));
-      reduce.reset();  // returns the scratch buffer to the pool
-    }
-    return requests;
+    return reduce->next(lane);
   };
-  return d.submit(work, std::move(next));
+  auto lanes = [state] { return *state ? (*state)->lanes() : 1; };
+  auto complete = [state, counter_ring, counter_shared, counter_node_aware, counter_sent,
+                   counter_received] {
+    auto& reduce = *state;
+    (reduce->node_aware()  ? counter_node_aware
+     : reduce->fell_back() ? counter_ring
+                           : counter_shared)
+        ->fetch_add(1);
+    counter_sent->fetch_add(static_cast<uint64_t>(reduce->bytes_sent()));
+    counter_received->fetch_add(static_cast<uint64_t>(reduce->bytes_received()));
+    reduce.reset();  // returns the scratch buffers to the pool
+  };
+  return d.submit_lanes(work, std::move(next), std::move(lanes), std::move(complete));
 }
 
 std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int root) {
@@ -878,7 +916,7 @@ std::shared_ptr<Work> MpiCommunicator::broadcast(const at::Tensor& tensor, int r
       case 0:
         st->sequence = group->sequence;
         started->set_sequence(st->sequence);
-        st->tag = static_cast<int>(group->sequence++ % 32768u);
+        st->tag = detail::operation_tag(group->sequence++, 0);
         return detail::post_op_headers(header, st->headers, comm, me, n, st->tag);
       case 1:
         detail::check_op_headers(st->headers, me, group->ranks, st->sequence);
@@ -990,7 +1028,7 @@ std::shared_ptr<Work> MpiCommunicator::gather(const at::Tensor& output, const at
     if (!gather) {
       const int64_t sequence = group->sequence;
       started->set_sequence(sequence);
-      const int tag = static_cast<int>(group->sequence++ % 32768u);
+      const int tag = detail::operation_tag(group->sequence++, 0);
       gather = std::make_unique<detail::GroupAllgather>(
           in, out, bytes, group->comm, group->index, group->size, tag, try_shared, *peers, header,
           group->ranks, sequence, lens, input_bytes);

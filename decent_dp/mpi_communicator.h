@@ -57,6 +57,13 @@ struct MpiOptions {
   // All-reduces below this many bytes take the flat ring even where the node-aware one
   // applies (it costs more steps). Must agree across ranks.
   int64_t node_aware_min_bytes = 64 << 10;
+  // Note [ring lanes]: an all-reduce over MPI messages (the ring or the node-aware path) of at
+  // least 2 * ring_lane_min_bytes runs as up to `ring_lanes` independent rings over
+  // contiguous segments of its buffer, each segment at least ring_lane_min_bytes, so a link
+  // stays busy while one ring waits between its steps. 1: one ring; -1 takes
+  // DECENT_DP_RING_LANES (default 4); at most 8. Both must agree across ranks.
+  int ring_lanes = -1;
+  int64_t ring_lane_min_bytes = 1 << 20;
   // 0: nodes as MPI finds them (MPI_COMM_TYPE_SHARED). N > 0: every block of N consecutive
   // ranks is one node (local_rank(), local_size(), the shared-memory transport and the
   // node-aware all-reduce follow it), e.g. to try a multi-node layout on one machine. N

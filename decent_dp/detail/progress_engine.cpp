@@ -139,30 +139,74 @@ void ProgressEngine::remove_driver() {
   }
 }
 
-void ProgressEngine::advance(Op& op) {
+void ProgressEngine::start(Op& op) {
+  op.started_lanes = 1;
+  op.remaining.assign(1, 0);
+  advance(op, 0);
+}
+
+void ProgressEngine::end(Op& op, std::exception_ptr error) {
+  if (error) {
+    size_t kept = 0;
+    for (size_t i = 0; i < requests_.size(); ++i) {
+      if (owner_[i] == &op) {
+        op.orphans.push_back(requests_[i]);
+        continue;
+      }
+      requests_[kept] = requests_[i];
+      owner_[kept] = owner_[i];
+      lane_[kept] = lane_[i];
+      ++kept;
+    }
+    requests_.resize(kept);
+    owner_.resize(kept);
+    lane_.resize(kept);
+  }
+  finish_op(op, error);
+}
+
+void ProgressEngine::advance(Op& op, int lane) {
   std::vector<MPI_Request> posted;
   std::vector<MPI_Request> tracked;
   std::vector<MPI_Request>* outer = t_posting;
   t_posting = &tracked;
   try {
-    posted = op.next();
+    posted = op.next(lane);
   } catch (...) {
     t_posting = outer;
     // What the step posted before it threw stays in flight: Note [abandoned requests].
     op.orphans.insert(op.orphans.end(), tracked.begin(), tracked.end());
-    finish_op(op, std::current_exception());
+    end(op, std::current_exception());
     return;
   }
   t_posting = outer;
   completed_.fetch_add(1);  // a step of the operation finished (or it started)
   if (posted.empty()) {
-    finish_op(op, nullptr);
+    ++op.finished_lanes;
+  } else {
+    op.remaining[static_cast<size_t>(lane)] = posted.size();
+    for (MPI_Request r : posted) {
+      requests_.push_back(r);
+      owner_.push_back(&op);
+      lane_.push_back(lane);
+    }
+  }
+  // Note [lanes]: lanes the step opened start now.
+  int wanted = 1;
+  try {
+    wanted = op.lanes ? op.lanes() : 1;
+  } catch (...) {
+    end(op, std::current_exception());
     return;
   }
-  op.remaining = posted.size();
-  for (MPI_Request r : posted) {
-    requests_.push_back(r);
-    owner_.push_back(&op);
+  if (wanted > op.started_lanes) {
+    op.remaining.resize(static_cast<size_t>(wanted), 0);
+  }
+  while (!op.done && op.started_lanes < wanted) {
+    advance(op, op.started_lanes++);
+  }
+  if (!op.done && op.finished_lanes == op.started_lanes) {
+    finish_op(op, nullptr);
   }
 }
 
@@ -174,6 +218,7 @@ void ProgressEngine::fail_all(std::exception_ptr error) {
   }
   requests_.clear();
   owner_.clear();
+  lane_.clear();
   for (auto& op : active_) {
     if (!op->done) {
       finish_op(*op, error);
@@ -219,7 +264,7 @@ void ProgressEngine::poll_steps() {
   for (auto& op : incoming) {
     Op& raw = *op;
     active_.push_back(std::move(op));
-    advance(raw);
+    start(raw);
     any_done = any_done || raw.done;
   }
   if (!requests_.empty()) {
@@ -240,6 +285,7 @@ void ProgressEngine::poll_steps() {
       ready_.clear();
       for (int i = 0; i < count; ++i) {
         Op* op = owner_[indices_[i]];
+        const int lane = lane_[indices_[i]];
         owner_[indices_[i]] = nullptr;
         const MPI_Status& st = statuses_[i];
         if (rc == MPI_ERR_IN_STATUS && st.MPI_ERROR != MPI_SUCCESS && !op->failed) {
@@ -253,8 +299,8 @@ void ProgressEngine::poll_steps() {
               " (do all members pass tensors of the same size and dtype, in the same order?)")));
           op->work->finish(op->failed);
         }
-        if (--op->remaining == 0) {
-          ready_.push_back(op);
+        if (--op->remaining[static_cast<size_t>(lane)] == 0) {
+          ready_.emplace_back(op, lane);
         }
       }
       size_t kept = 0;
@@ -262,16 +308,20 @@ void ProgressEngine::poll_steps() {
         if (owner_[i] != nullptr) {
           requests_[kept] = requests_[i];
           owner_[kept] = owner_[i];
+          lane_[kept] = lane_[i];
           ++kept;
         }
       }
       requests_.resize(kept);
       owner_.resize(kept);
-      for (Op* op : ready_) {
-        if (op->failed) {
-          finish_op(*op, op->failed);
+      lane_.resize(kept);
+      for (const auto& [op, lane] : ready_) {
+        if (op->done) {
+          // Another lane of it failed in this poll: its requests are already orphans.
+        } else if (op->failed) {
+          end(*op, op->failed);
         } else {
-          advance(*op);
+          advance(*op, lane);
         }
         any_done = any_done || op->done;
       }

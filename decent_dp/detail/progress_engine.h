@@ -5,6 +5,10 @@
 // requires), tests their requests with MPI_Testsome and moves multi-step operations (the
 // ring all-reduce) to their next step.
 //
+// Note [lanes]: an operation may run several independent sequences of steps at once (the
+// lanes of a large all-reduce, Note [ring lanes] in ring_allreduce.h); the engine tracks each
+// lane's requests apart and advances a lane as soon as its own requests completed.
+//
 // Only the holder of the engine's token polls. Two kinds of thread take it:
 //  - the engine's progress thread, which polls while operations are in flight, sleeping in
 //    between so it leaves the core to the computation it overlaps: `interval` after
@@ -26,6 +30,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "decent_dp/detail/ring_allreduce.h"
@@ -54,13 +59,20 @@ class ProgressEngine {
  public:
   struct Op {
     std::shared_ptr<Work> work;
-    // Called by the token holder when the operation starts and again each time all the
-    // requests it returned have completed: issues the next MPI calls and returns their
-    // requests, or none when the operation is done.
-    std::function<std::vector<MPI_Request>()> next;
-    // Runs once every step completed (e.g. the division of an average).
+    // Called by the token holder for lane 0 when the operation starts, and for a lane again
+    // each time all the requests that lane returned have completed: issues the lane's next
+    // MPI calls and returns their requests, or none when the lane is done. The operation is
+    // done when all its lanes are.
+    std::function<std::vector<MPI_Request>(int lane)> next;
+    // Note [lanes]: how many lanes the operation has opened so far, asked after each step
+    // (empty: one). Lanes advance independently of one another, so a lane's step is not held
+    // back by another lane's messages; each new lane starts at once.
+    std::function<int()> lanes;
+    // Runs once every step of every lane completed (e.g. the division of an average).
     std::function<void()> complete;
-    size_t remaining = 0;
+    std::vector<size_t> remaining;  // per lane: its requests still in flight
+    int started_lanes = 0;
+    int finished_lanes = 0;
     bool done = false;
     std::exception_ptr failed;  // a request of the current step failed: finish with it
     // Requests still in flight when the operation ended in an error: the operation goes to
@@ -100,7 +112,11 @@ class ProgressEngine {
   void thread_main();
   void poll_once();   // requires the token; fails every operation on an internal error
   void poll_steps();  // poll_once's work
-  void advance(Op& op);
+  void start(Op& op);
+  void advance(Op& op, int lane);
+  // Finishes `op`; with an error, its requests still in flight (other lanes') become its
+  // orphans first (Note [abandoned requests]).
+  void end(Op& op, std::exception_ptr error);
   // Moves the finished operations out of active_: to the graveyard those with orphans.
   void retire_done();
   void fail_all(std::exception_ptr error);
@@ -114,9 +130,10 @@ class ProgressEngine {
   std::vector<std::unique_ptr<Op>> active_;
   std::vector<MPI_Request> requests_;
   std::vector<Op*> owner_;
+  std::vector<int> lane_;  // of requests_[i] in owner_[i]
   std::vector<int> indices_;
   std::vector<MPI_Status> statuses_;
-  std::vector<Op*> ready_;
+  std::vector<std::pair<Op*, int>> ready_;  // lanes whose step completed
   ScratchPool scratch_;
 
   std::mutex queue_mutex_;

@@ -299,5 +299,14 @@ std::vector<MPI_Request> NodeAwareAllreduce::next() {
   }
 }
 
+int ring_lane_count(int64_t bytes, int64_t numel, int size, int max_lanes, int64_t lane_min_bytes) {
+  if (max_lanes <= 1 || lane_min_bytes <= 0 || bytes < 2 * lane_min_bytes) {
+    return 1;
+  }
+  int64_t lanes = std::min<int64_t>(bytes / lane_min_bytes, std::min(max_lanes, kMaxLanes));
+  lanes = std::min<int64_t>(lanes, numel / std::max(size, 1));
+  return static_cast<int>(std::max<int64_t>(lanes, 1));
+}
+
 }  // namespace detail
 }  // namespace decent_dp

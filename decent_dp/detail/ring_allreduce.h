@@ -102,6 +102,31 @@ class RingAllreduce {
   int64_t bytes_received_ = 0;
 };
 
+// Note [ring lanes]
+// A ring step waits for its whole chunk before the next step sends, so one operation keeps a
+// link busy only while every member's chunk of the step is moving: on a shared link the
+// slowest of them sets the pace and the link idles between steps. Several operations in
+// flight fill those gaps: 12 MiB per rank exchanged in pairs across 4 emulated nodes of 2
+// ranks at 400 Mbit/s took a median 891 ms as one operation and 678 ms as four, in five
+// interleaved runs (`gossip_bench -t ring --inflight 1|4`). So an all-reduce that takes
+// messages (the ring, or the node-aware path) cuts its buffer into up to MpiOptions::
+// ring_lanes contiguous segments of at least ring_lane_min_bytes and runs one ring (or
+// node-aware all-reduce) per segment, each with a tag of its own, advanced by the engine as
+// independent lanes (Note [lanes] in progress_engine.h). Every member cuts the same way (the
+// choice depends on the size, the dtype and the settings, which must agree), each segment's
+// chunks are summed along one path as before, so members still end with bit-identical
+// results; the bytes each rank sends are the same up to the rounding of chunk sizes.
+constexpr int kMaxLanes = 8;
+// The message tag of lane `lane` of the operation numbered `sequence` on its group: distinct
+// for the operations of 4096 consecutive numbers, within MPI's smallest tag bound (32767).
+inline int operation_tag(uint32_t sequence, int lane) {
+  return static_cast<int>(sequence % 4096u) * kMaxLanes + lane;
+}
+// How many lanes an all-reduce of `bytes` takes (1 <= lanes <= max_lanes, each at least
+// `lane_min_bytes` when there is more than one), for `numel` elements over `size` ranks
+// (never more lanes than would leave a segment shorter than the group).
+int ring_lane_count(int64_t bytes, int64_t numel, int size, int max_lanes, int64_t lane_min_bytes);
+
 // Note [node-aware all-reduce]
 // A flat ring over a group that spans g nodes of l members each (k = g l) crosses node
 // boundaries on g of its edges, each carrying 2 (k - 1) / k of the buffer: that much leaves

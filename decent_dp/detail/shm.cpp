@@ -210,7 +210,7 @@ ShmAllreduce::ShmAllreduce(const char* input, char* output, int64_t numel, c10::
                            bool average, MPI_Comm comm, int index, int size, int tag,
                            ScratchPool& pool, PeerSegmentCache& peers, const OpHeader& header,
                            bool try_shared, const std::vector<int>& ranks, int64_t sequence,
-                           std::vector<int> nodes)
+                           std::vector<int> nodes, int max_lanes, int64_t lane_min_bytes)
     : input_(input),
       output_(output),
       numel_(numel),
@@ -226,7 +226,9 @@ ShmAllreduce::ShmAllreduce(const char* input, char* output, int64_t numel, c10::
       mine_(header),
       ranks_(ranks),
       sequence_(sequence),
-      nodes_(std::move(nodes)) {
+      nodes_(std::move(nodes)),
+      max_lanes_(max_lanes),
+      lane_min_bytes_(lane_min_bytes) {
   offsets_.resize(size_ + 1);
   const int64_t base = numel / size_;
   const int64_t extra = numel % size_;
@@ -268,28 +270,34 @@ const char* ShmAllreduce::peer_output(int m) const {
 // chunk; this member does the same with every peer: both directions move
 // (n - own chunk) + (k - 1) * own chunk elements.
 int64_t ShmAllreduce::bytes_sent() const {
-  if (ring_) {
-    return ring_->bytes_sent();
-  }
-  if (node_aware_) {
-    return node_aware_->bytes_sent();
+  if (!lanes_.empty()) {
+    int64_t sum = 0;
+    for (const Lane& lane : lanes_) {
+      sum += lane.ring ? lane.ring->bytes_sent() : lane.node_aware->bytes_sent();
+    }
+    return sum;
   }
   return (numel_ - chunk_size(index_) + (size_ - 1) * chunk_size(index_)) * element_size_;
 }
 
 int64_t ShmAllreduce::bytes_received() const {
-  if (node_aware_) {
-    return node_aware_->bytes_received();
+  if (!lanes_.empty()) {
+    int64_t sum = 0;
+    for (const Lane& lane : lanes_) {
+      sum += lane.ring ? lane.ring->bytes_received() : lane.node_aware->bytes_received();
+    }
+    return sum;
   }
-  return ring_ ? ring_->bytes_received() : bytes_sent();
+  return bytes_sent();
 }
 
-std::vector<MPI_Request> ShmAllreduce::next() {
-  if (ring_) {
-    return ring_->next();
+std::vector<MPI_Request> ShmAllreduce::next(int lane) {
+  if (!lanes_.empty()) {
+    Lane& l = lanes_.at(static_cast<size_t>(lane));
+    return l.ring ? l.ring->next() : l.node_aware->next();
   }
-  if (node_aware_) {
-    return node_aware_->next();
+  if (lane != 0) {
+    throw CommError(cat("all-reduce: lane ", lane, " advanced before the lanes were opened"));
   }
   switch (stage_++) {
     case 0:
@@ -304,14 +312,25 @@ std::vector<MPI_Request> ShmAllreduce::next() {
       if (!shared) {
         // Some member's buffers are private: every member sees the same descriptors and
         // takes the ring, or the node-aware path where the caller found one.
-        if (!nodes_.empty()) {
-          node_aware_ = std::make_unique<NodeAwareAllreduce>(
-              input_, output_, numel_, dtype_, average_, comm_, index_, nodes_, tag_, pool_);
-          return node_aware_->next();
+        // Note [ring lanes]: contiguous segments, one ring each; the engine opens lanes 1
+        // and up once this step returns.
+        const int count =
+            ring_lane_count(numel_ * element_size_, numel_, size_, max_lanes_, lane_min_bytes_);
+        lanes_.resize(static_cast<size_t>(count));
+        for (int j = 0; j < count; ++j) {
+          const int64_t begin = numel_ * j / count;
+          const int64_t n = numel_ * (j + 1) / count - begin;
+          const char* in = input_ + begin * element_size_;
+          char* out = output_ + begin * element_size_;
+          if (!nodes_.empty()) {
+            lanes_[j].node_aware = std::make_unique<NodeAwareAllreduce>(
+                in, out, n, dtype_, average_, comm_, index_, nodes_, tag_ + j, pool_);
+          } else {
+            lanes_[j].ring = std::make_unique<RingAllreduce>(in, out, n, dtype_, average_, comm_,
+                                                             index_, size_, tag_ + j, pool_);
+          }
         }
-        ring_ = std::make_unique<RingAllreduce>(input_, output_, numel_, dtype_, average_, comm_,
-                                                index_, size_, tag_, pool_);
-        return ring_->next();
+        return next(0);
       }
       segments_.resize(2 * size_);
       const auto bytes = static_cast<uint64_t>(numel_ * element_size_);

@@ -86,14 +86,19 @@ class ShmAllreduce {
   ShmAllreduce(const char* input, char* output, int64_t numel, c10::ScalarType dtype, bool average,
                MPI_Comm comm, int index, int size, int tag, ScratchPool& pool,
                PeerSegmentCache& peers, const OpHeader& header, bool try_shared,
-               const std::vector<int>& ranks, int64_t sequence, std::vector<int> nodes = {});
+               const std::vector<int>& ranks, int64_t sequence, std::vector<int> nodes = {},
+               int max_lanes = 1, int64_t lane_min_bytes = 0);
 
-  // As RingAllreduce::next().
-  std::vector<MPI_Request> next();
+  // As RingAllreduce::next(), for one lane (Note [lanes] in progress_engine.h): lane 0 runs
+  // the header stage and the shared-memory transport; taking messages instead opens the
+  // lanes of Note [ring lanes] (`tag` is lane 0's tag, lane j uses tag + j).
+  std::vector<MPI_Request> next(int lane = 0);
+  // Lanes opened so far.
+  int lanes() const { return lanes_.empty() ? 1 : static_cast<int>(lanes_.size()); }
   // True once the members agreed to take messages instead (the ring or the node-aware path).
-  bool fell_back() const { return ring_ != nullptr || node_aware_ != nullptr; }
+  bool fell_back() const { return !lanes_.empty(); }
   // True once the members took Note [node-aware all-reduce].
-  bool node_aware() const { return node_aware_ != nullptr; }
+  bool node_aware() const { return !lanes_.empty() && lanes_[0].node_aware != nullptr; }
   // Payload bytes moved between this rank and its peers once complete: what the peers read
   // of this rank's buffers (sent) and what this rank read of theirs (received); the ring's
   // messages after a fall-back. Descriptors and completion signals are not counted.
@@ -128,9 +133,15 @@ class ShmAllreduce {
   std::vector<std::shared_ptr<PeerSegment>> segments_;
   std::vector<int32_t> signal_in_;
   int32_t signal_out_ = 1;
-  std::unique_ptr<RingAllreduce> ring_;
   std::vector<int> nodes_;
-  std::unique_ptr<NodeAwareAllreduce> node_aware_;
+  int max_lanes_;
+  int64_t lane_min_bytes_;
+  // Note [ring lanes]: one ring or node-aware all-reduce per segment of the buffer.
+  struct Lane {
+    std::unique_ptr<RingAllreduce> ring;
+    std::unique_ptr<NodeAwareAllreduce> node_aware;
+  };
+  std::vector<Lane> lanes_;
 };
 
 }  // namespace detail

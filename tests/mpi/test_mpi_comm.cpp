@@ -696,6 +696,154 @@ TEST_CASE("node-aware all-reduce: four ranks per node, chunks of uneven sizes", 
   check_same_bytes_everywhere(c, t);
 }
 
+MpiOptions lane_options(int lanes, int64_t min_bytes) {
+  MpiOptions o = shm_options(0, 0);  // private buffers: every all-reduce takes messages
+  o.ring_lanes = lanes;
+  o.ring_lane_min_bytes = min_bytes;
+  return o;
+}
+
+TEST_CASE("ring lanes: how many an all-reduce takes", "[mpi]") {
+  // Note [ring lanes]: up to max_lanes segments of at least lane_min_bytes, never shorter
+  // than the group, one lane below twice the minimum.
+  constexpr int64_t MiB = 1 << 20;
+  CHECK(detail::ring_lane_count(8 * MiB, 2 * MiB, 2, 4, MiB) == 4);
+  CHECK(detail::ring_lane_count(3 * MiB, 768 * 1024, 2, 4, MiB) == 3);
+  CHECK(detail::ring_lane_count(2 * MiB - 4, MiB / 2 - 1, 2, 4, MiB) == 1);
+  CHECK(detail::ring_lane_count(64 * MiB, 16 * MiB, 8, 8, MiB) == 8);
+  CHECK(detail::ring_lane_count(64 * MiB, 16 * MiB, 8, 1, MiB) == 1);
+  CHECK(detail::ring_lane_count(1000, 250, 100, 8, 64) == 2);  // segments of >= 100 elements
+  CHECK(detail::ring_lane_count(0, 0, 2, 8, 1) == 1);
+  // Tags: lanes of one operation and consecutive operations never meet.
+  CHECK(detail::operation_tag(0, 0) == 0);
+  CHECK(detail::operation_tag(0, 7) == 7);
+  CHECK(detail::operation_tag(1, 0) == 8);
+  CHECK(detail::operation_tag(4095, 7) == 32767);
+  CHECK(detail::operation_tag(4096, 3) == 3);
+}
+
+TEST_CASE(
+    "ring lanes: closed forms, bit-identical members, one operation counted, the ring's "
+    "traffic",
+    "[mpi]") {
+  const int n = comm().size();
+  if (n < 2)
+    return;
+  std::vector<int> all(n);
+  for (int r = 0; r < n; ++r)
+    all[r] = r;
+  for (int lanes : {1, 2, 3, 8}) {
+    MpiCommunicator c(lane_options(lanes, 64));
+    for (auto dtype : {at::kFloat, at::kHalf}) {
+      for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+        for (int64_t numel : {int64_t{0}, int64_t{3}, int64_t{100}, int64_t{40961}}) {
+          INFO("lanes " << lanes << " dtype " << dtype << " numel " << numel);
+          const auto before = c.stats();
+          auto t = make_input(c.rank(), numel, dtype);
+          c.allreduce(t, all, op)->wait();
+          CHECK(count_wrong_any(t, all, op) == 0);
+          CHECK(c.stats().ring_allreduces == before.ring_allreduces + 1);
+        }
+      }
+    }
+    // Every chunk of every segment travels k - 1 times in each half of its ring: over all
+    // ranks, 2 (k - 1) times the buffer each way, whatever the lanes.
+    const int64_t numel = 40961;
+    const auto before = c.stats();
+    auto t = at::arange(numel, at::kDouble).mul(0.001 * (c.rank() + 1)).sin().to(at::kFloat);
+    c.allreduce(t, all, ReduceOp::kAvg)->wait();
+    check_same_bytes_everywhere(c, t);
+    const auto now = c.stats();
+    auto traffic = at::empty({2}, at::kLong);
+    traffic.data_ptr<int64_t>()[0] =
+        static_cast<int64_t>(now.allreduce_bytes_sent - before.allreduce_bytes_sent);
+    traffic.data_ptr<int64_t>()[1] =
+        static_cast<int64_t>(now.allreduce_bytes_received - before.allreduce_bytes_received);
+    c.allreduce(traffic, all, ReduceOp::kSum)->wait();
+    CHECK(traffic.data_ptr<int64_t>()[0] == 2 * (n - 1) * numel * 4);
+    CHECK(traffic.data_ptr<int64_t>()[1] == 2 * (n - 1) * numel * 4);
+  }
+  // Two members: each element is one sum, the same in any segment, so lanes change no bit.
+  if (n == 2) {
+    MpiCommunicator one(lane_options(1, 64));
+    MpiCommunicator four(lane_options(4, 64));
+    auto a = at::arange(10007, at::kDouble).mul(0.37 * (one.rank() + 1)).cos().to(at::kFloat);
+    auto b = a.clone();
+    one.allreduce(a, all, ReduceOp::kAvg)->wait();
+    four.allreduce(b, all, ReduceOp::kAvg)->wait();
+    CHECK(a.equal(b));
+  }
+}
+
+TEST_CASE("ring lanes: many operations in flight with broadcasts between them", "[mpi]") {
+  const int n = comm().size();
+  if (n < 2)
+    return;
+  MpiCommunicator c(lane_options(4, 256));
+  std::vector<int> all(n);
+  for (int r = 0; r < n; ++r)
+    all[r] = r;
+  std::vector<at::Tensor> tensors;
+  std::vector<at::Tensor> casts;
+  std::vector<std::shared_ptr<Work>> works;
+  for (int i = 0; i < 12; ++i) {
+    tensors.push_back(make_input(c.rank(), 5000 + 1237 * i, at::kFloat));
+    works.push_back(c.allreduce(tensors.back(), all, i % 3 ? ReduceOp::kSum : ReduceOp::kAvg));
+    casts.push_back(at::full({1000 + i}, c.rank() == i % n ? double(i) : -1.0, at::kDouble));
+    works.push_back(c.broadcast(casts.back(), i % n));
+  }
+  for (auto& w : works)
+    w->wait();
+  for (int i = 0; i < 12; ++i) {
+    INFO("operation " << i);
+    CHECK(count_wrong_any(tensors[i], all, i % 3 ? ReduceOp::kSum : ReduceOp::kAvg) == 0);
+    CHECK(casts[i].eq(double(i)).all().item<bool>());
+  }
+}
+
+TEST_CASE("node-aware all-reduce in lanes: closed forms, bit-identical members, one operation",
+          "[mpi]") {
+  const int n = comm().size();
+  if (n % 2 != 0 || n < 4)
+    return;
+  MpiOptions o = node_options(0);
+  o.ring_lanes = 3;
+  o.ring_lane_min_bytes = 128;
+  MpiCommunicator c(o);
+  std::vector<int> all(n);
+  for (int r = 0; r < n; ++r)
+    all[r] = r;
+  for (int64_t numel : {int64_t{13}, int64_t{4096}, int64_t{50001}}) {
+    INFO("numel " << numel);
+    const auto before = c.stats();
+    auto t = make_input(c.rank(), numel, at::kFloat);
+    c.allreduce(t, all, ReduceOp::kSum)->wait();
+    CHECK(count_wrong_any(t, all, ReduceOp::kSum) == 0);
+    CHECK(c.stats().node_aware_allreduces == before.node_aware_allreduces + 1);
+  }
+  auto t = at::arange(77777, at::kDouble).mul(0.01 * (c.rank() + 1)).cos().to(at::kFloat);
+  c.allreduce(t, all, ReduceOp::kAvg)->wait();
+  check_same_bytes_everywhere(c, t);
+}
+
+TEST_CASE("ring_lanes and ring_lane_min_bytes: bad or differing values are clear errors", "[mpi]") {
+  const int n = comm().size();
+  CHECK_THROWS_WITH(MpiCommunicator(lane_options(0, 64)),
+                    Catch::Contains("ring_lanes must be in [1, 8]") && Catch::Contains("got 0"));
+  CHECK_THROWS_WITH(MpiCommunicator(lane_options(9, 64)),
+                    Catch::Contains("ring_lanes must be in [1, 8]") && Catch::Contains("got 9"));
+  CHECK_THROWS_WITH(MpiCommunicator(lane_options(2, 0)),
+                    Catch::Contains("ring_lane_min_bytes must be >= 1, got 0"));
+  if (n > 1) {
+    CHECK_THROWS_WITH(MpiCommunicator(lane_options(comm().rank() == 0 ? 2 : 3, 64)),
+                      Catch::Contains("ring_lanes (DECENT_DP_RING_LANES) and ring_lane_min_bytes "
+                                      "must be the same on every rank") &&
+                          Catch::Contains("rank 0 has 2 and 64, rank 1 has 3 and 64"));
+  }
+  MpiCommunicator fine(lane_options(8, 1));
+  fine.barrier();
+}
+
 TEST_CASE("ranks_per_node and node_aware_min_bytes: bad or differing values are clear errors",
           "[mpi]") {
   const int n = comm().size();
@@ -967,7 +1115,7 @@ TEST_CASE("a step that throws after posting messages leaves none of them live", 
       auto work = std::make_shared<Work>("failing step", std::vector<at::Tensor>{},
                                          std::chrono::milliseconds(5000));
       op->work = work;
-      op->next = [c, received, large]() -> std::vector<MPI_Request> {
+      op->next = [c, received, large](int) -> std::vector<MPI_Request> {
         MPI_Request r = MPI_REQUEST_NULL;
         MPI_Irecv(received->data(), 1, MPI_INT, 1, 5, c, &r);
         detail::track_posted(r);
@@ -1013,4 +1161,97 @@ TEST_CASE("a step that throws after posting messages leaves none of them live", 
   }
   MPI_Barrier(c);
   MPI_Comm_free(&c);
+}
+
+TEST_CASE("the engine advances an operation's lanes independently", "[mpi][engine]") {
+  // Note [lanes]: lane 1 waits for a message that lane 0 sends only in its third step. An
+  // engine that advanced the operation's lanes together would never finish it.
+  MPI_Comm self = MPI_COMM_NULL;
+  REQUIRE(MPI_Comm_dup(MPI_COMM_SELF, &self) == MPI_SUCCESS);
+  {
+    detail::ProgressEngine engine(std::chrono::microseconds(20), std::chrono::milliseconds(500), 0);
+    engine.start_thread();
+    struct State {
+      int step0 = 0;
+      int step1 = 0;
+      int out = 0, in = 0, late_out = 5, late_in = -1;
+    };
+    auto st = std::make_shared<State>();
+    auto op = std::make_unique<detail::ProgressEngine::Op>();
+    auto work = std::make_shared<Work>("two lanes", std::vector<at::Tensor>{},
+                                       std::chrono::milliseconds(10000));
+    op->work = work;
+    op->lanes = [] { return 2; };
+    op->next = [st, self](int lane) -> std::vector<MPI_Request> {
+      if (lane == 0) {
+        if (st->step0 == 3)
+          return {};
+        std::vector<MPI_Request> r(2, MPI_REQUEST_NULL);
+        MPI_Irecv(&st->in, 1, MPI_INT, 0, 1, self, &r[0]);
+        MPI_Isend(&st->out, 1, MPI_INT, 0, 1, self, &r[1]);
+        if (st->step0 == 2) {  // the third step also feeds lane 1
+          r.push_back(MPI_REQUEST_NULL);
+          MPI_Isend(&st->late_out, 1, MPI_INT, 0, 9, self, &r[2]);
+        }
+        ++st->step0;
+        return r;
+      }
+      if (st->step1++ == 0) {
+        MPI_Request r = MPI_REQUEST_NULL;
+        MPI_Irecv(&st->late_in, 1, MPI_INT, 0, 9, self, &r);
+        return {r};
+      }
+      return {};
+    };
+    engine.enqueue(std::move(op));
+    work->wait();
+    CHECK(st->late_in == 5);
+    CHECK(st->step0 == 3);
+    CHECK(st->step1 == 2);
+    engine.stop();
+  }
+  MPI_Comm_free(&self);
+}
+
+TEST_CASE("a lane that fails ends its operation and leaves the other lanes' messages dead",
+          "[mpi][engine]") {
+  MPI_Comm self = MPI_COMM_NULL;
+  REQUIRE(MPI_Comm_dup(MPI_COMM_SELF, &self) == MPI_SUCCESS);
+  {
+    detail::ProgressEngine engine(std::chrono::microseconds(20), std::chrono::milliseconds(500), 0);
+    engine.start_thread();
+    auto received = std::make_shared<int>(-1);
+    auto op = std::make_unique<detail::ProgressEngine::Op>();
+    auto work = std::make_shared<Work>("failing lane", std::vector<at::Tensor>{},
+                                       std::chrono::milliseconds(5000));
+    op->work = work;
+    op->lanes = [] { return 2; };
+    op->next = [received, self](int lane) -> std::vector<MPI_Request> {
+      if (lane == 0) {
+        // A receive nobody sends to: it stays in flight when lane 1 fails.
+        MPI_Request r = MPI_REQUEST_NULL;
+        MPI_Irecv(received.get(), 1, MPI_INT, 0, 3, self, &r);
+        return {r};
+      }
+      throw CommError("lane 1 failed");
+    };
+    engine.enqueue(std::move(op));
+    CHECK_THROWS_WITH(work->wait(), Catch::Contains("lane 1 failed"));
+    // The receive was cancelled: a message with its tag goes to a new receive.
+    int value = 42, fresh = -1;
+    MPI_Request s = MPI_REQUEST_NULL;
+    MPI_Isend(&value, 1, MPI_INT, 0, 3, self, &s);
+    MPI_Recv(&fresh, 1, MPI_INT, 0, 3, self, MPI_STATUS_IGNORE);
+    MPI_Wait(&s, MPI_STATUS_IGNORE);
+    CHECK(fresh == 42);
+    CHECK(*received == -1);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    bool empty = false;
+    while (!(empty = detail::graveyard_empty()) && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    CHECK(empty);
+    engine.stop();
+  }
+  MPI_Comm_free(&self);
 }
