@@ -15,7 +15,8 @@
 //                                inside each node first (Note [node-aware all-reduce];
 //                                default 1; the same on every rank)
 //   DECENT_DP_RING_LANES         1..8: an all-reduce over MPI messages of at least twice
-//                                MpiOptions::ring_lane_min_bytes runs as up to this many
+//                                MpiOptions::ring_lane_min_bytes, over a group that spans
+//                                several nodes, runs as up to this many
 //                                independent rings over segments of its buffer (Note [ring
 //                                lanes]; default 4; the same on every rank)
 //

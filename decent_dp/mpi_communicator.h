@@ -35,6 +35,9 @@ struct MpiStats {
   uint64_t shared_memory_allgathers = 0;
   uint64_t allgather_bytes_sent = 0;
   uint64_t allgather_bytes_received = 0;
+  // Lanes the ring and node-aware all-reduces above ran in (Note [ring lanes]): one each for
+  // those that took a single ring.
+  uint64_t allreduce_lanes = 0;
 };
 
 struct MpiOptions {
@@ -57,10 +60,11 @@ struct MpiOptions {
   // All-reduces below this many bytes take the flat ring even where the node-aware one
   // applies (it costs more steps). Must agree across ranks.
   int64_t node_aware_min_bytes = 64 << 10;
-  // Note [ring lanes]: an all-reduce over MPI messages (the ring or the node-aware path) of at
-  // least 2 * ring_lane_min_bytes runs as up to `ring_lanes` independent rings over
-  // contiguous segments of its buffer, each segment at least ring_lane_min_bytes, so a link
-  // stays busy while one ring waits between its steps. 1: one ring; -1 takes
+  // Note [ring lanes]: an all-reduce over MPI messages (the ring or the node-aware path) of a
+  // group that spans several nodes, of at least 2 * ring_lane_min_bytes, runs as up to
+  // `ring_lanes` independent rings over contiguous segments of its buffer, each segment at
+  // least ring_lane_min_bytes, so a network link stays busy while one ring waits between
+  // its steps. 1: one ring; -1 takes
   // DECENT_DP_RING_LANES (default 4); at most 8. Both must agree across ranks.
   int ring_lanes = -1;
   int64_t ring_lane_min_bytes = 1 << 20;

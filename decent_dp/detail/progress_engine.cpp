@@ -147,22 +147,30 @@ void ProgressEngine::start(Op& op) {
 
 void ProgressEngine::end(Op& op, std::exception_ptr error) {
   if (error) {
-    size_t kept = 0;
     for (size_t i = 0; i < requests_.size(); ++i) {
       if (owner_[i] == &op) {
         op.orphans.push_back(requests_[i]);
-        continue;
+        owner_[i] = nullptr;
       }
+    }
+    drop_released();
+  }
+  finish_op(op, error);
+}
+
+void ProgressEngine::drop_released() {
+  size_t kept = 0;
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    if (owner_[i] != nullptr) {
       requests_[kept] = requests_[i];
       owner_[kept] = owner_[i];
       lane_[kept] = lane_[i];
       ++kept;
     }
-    requests_.resize(kept);
-    owner_.resize(kept);
-    lane_.resize(kept);
   }
-  finish_op(op, error);
+  requests_.resize(kept);
+  owner_.resize(kept);
+  lane_.resize(kept);
 }
 
 void ProgressEngine::advance(Op& op, int lane) {
@@ -303,18 +311,7 @@ void ProgressEngine::poll_steps() {
           ready_.emplace_back(op, lane);
         }
       }
-      size_t kept = 0;
-      for (size_t i = 0; i < requests_.size(); ++i) {
-        if (owner_[i] != nullptr) {
-          requests_[kept] = requests_[i];
-          owner_[kept] = owner_[i];
-          lane_[kept] = lane_[i];
-          ++kept;
-        }
-      }
-      requests_.resize(kept);
-      owner_.resize(kept);
-      lane_.resize(kept);
+      drop_released();
       for (const auto& [op, lane] : ready_) {
         if (op->done) {
           // Another lane of it failed in this poll: its requests are already orphans.

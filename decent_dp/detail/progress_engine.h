@@ -117,6 +117,8 @@ class ProgressEngine {
   // Finishes `op`; with an error, its requests still in flight (other lanes') become its
   // orphans first (Note [abandoned requests]).
   void end(Op& op, std::exception_ptr error);
+  // Removes the requests whose owner_ entry was cleared (completed or handed to orphans).
+  void drop_released();
   // Moves the finished operations out of active_: to the graveyard those with orphans.
   void retire_done();
   void fail_all(std::exception_ptr error);

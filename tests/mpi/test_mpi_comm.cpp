@@ -698,6 +698,7 @@ TEST_CASE("node-aware all-reduce: four ranks per node, chunks of uneven sizes", 
 
 MpiOptions lane_options(int lanes, int64_t min_bytes) {
   MpiOptions o = shm_options(0, 0);  // private buffers: every all-reduce takes messages
+  o.ranks_per_node = 1;              // every group spans several nodes: lanes apply
   o.ring_lanes = lanes;
   o.ring_lane_min_bytes = min_bytes;
   return o;
@@ -743,6 +744,10 @@ TEST_CASE(
           c.allreduce(t, all, op)->wait();
           CHECK(count_wrong_any(t, all, op) == 0);
           CHECK(c.stats().ring_allreduces == before.ring_allreduces + 1);
+          const int64_t bytes = numel * static_cast<int64_t>(t.element_size());
+          CHECK(c.stats().allreduce_lanes ==
+                before.allreduce_lanes +
+                    static_cast<uint64_t>(detail::ring_lane_count(bytes, numel, n, lanes, 64)));
         }
       }
     }
@@ -820,6 +825,19 @@ TEST_CASE("node-aware all-reduce in lanes: closed forms, bit-identical members, 
     c.allreduce(t, all, ReduceOp::kSum)->wait();
     CHECK(count_wrong_any(t, all, ReduceOp::kSum) == 0);
     CHECK(c.stats().node_aware_allreduces == before.node_aware_allreduces + 1);
+    CHECK(c.stats().allreduce_lanes ==
+          before.allreduce_lanes +
+              static_cast<uint64_t>(detail::ring_lane_count(numel * 4, numel, n, 3, 128)));
+  }
+  // A group inside one node takes one lane (Note [ring lanes]), however large.
+  c.make_groups({{0, 1}});  // collective
+  if (c.rank() < 2) {
+    const auto before = c.stats();
+    auto t = make_input(c.rank(), 50001, at::kFloat);
+    c.allreduce(t, {0, 1}, ReduceOp::kSum)->wait();
+    CHECK(count_wrong_any(t, {0, 1}, ReduceOp::kSum) == 0);
+    CHECK(c.stats().ring_allreduces == before.ring_allreduces + 1);
+    CHECK(c.stats().allreduce_lanes == before.allreduce_lanes + 1);
   }
   auto t = at::arange(77777, at::kDouble).mul(0.01 * (c.rank() + 1)).cos().to(at::kFloat);
   c.allreduce(t, all, ReduceOp::kAvg)->wait();
