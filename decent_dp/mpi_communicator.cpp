@@ -845,9 +845,9 @@ std::shared_ptr<Work> MpiCommunicator::allreduce(const at::Tensor& tensor, const
   std::atomic<uint64_t>* counter_received = &d.allreduce_bytes_received;
   MpiWork* started = work.get();
   d.watch(*work, group);
-  // Lanes fill network links (Note [ring lanes]); inside a node the copies are bound by the
-  // cores, and measured no faster in lanes. The same choice on every member: the group and
-  // where its ranks run.
+  // Lanes fill network links; inside a node the copies are bound by the cores and lanes
+  // measured mixed (Note [ring lanes]). The same choice on every member: the group and where
+  // its ranks run.
   const int max_lanes = d.same_node(ranks) ? 1 : d.ring_lanes;
   std::atomic<uint64_t>* counter_lanes = &d.allreduce_lanes;
   const int64_t lane_min_bytes = d.ring_lane_min_bytes;

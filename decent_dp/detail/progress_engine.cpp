@@ -140,7 +140,6 @@ void ProgressEngine::remove_driver() {
 }
 
 void ProgressEngine::start(Op& op) {
-  op.started_lanes = 1;
   op.remaining.assign(1, 0);
   advance(op, 0);
 }
@@ -207,13 +206,11 @@ void ProgressEngine::advance(Op& op, int lane) {
     end(op, std::current_exception());
     return;
   }
-  if (wanted > op.started_lanes) {
-    op.remaining.resize(static_cast<size_t>(wanted), 0);
+  while (!op.done && op.remaining.size() < static_cast<size_t>(wanted)) {
+    op.remaining.push_back(0);
+    advance(op, static_cast<int>(op.remaining.size()) - 1);
   }
-  while (!op.done && op.started_lanes < wanted) {
-    advance(op, op.started_lanes++);
-  }
-  if (!op.done && op.finished_lanes == op.started_lanes) {
+  if (!op.done && op.finished_lanes == op.remaining.size()) {
     finish_op(op, nullptr);
   }
 }

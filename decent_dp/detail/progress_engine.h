@@ -70,9 +70,8 @@ class ProgressEngine {
     std::function<int()> lanes;
     // Runs once every step of every lane completed (e.g. the division of an average).
     std::function<void()> complete;
-    std::vector<size_t> remaining;  // per lane: its requests still in flight
-    int started_lanes = 0;
-    int finished_lanes = 0;
+    std::vector<size_t> remaining;  // per started lane: its requests still in flight
+    size_t finished_lanes = 0;
     bool done = false;
     std::exception_ptr failed;  // a request of the current step failed: finish with it
     // Requests still in flight when the operation ended in an error: the operation goes to

@@ -112,11 +112,10 @@ class RingAllreduce {
 // messages (the ring, or the node-aware path) over a group that spans several nodes (inside
 // one node the copies are bound by the cores: between two ranks through Open MPI's shared
 // memory, lanes made 8 MiB 20-35% faster but 2 and 32 MiB 5-15% slower) cuts its buffer into
-// up to MpiOptions::
-// ring_lanes contiguous segments of at least ring_lane_min_bytes and runs one ring (or
-// node-aware all-reduce) per segment, each with a tag of its own, advanced by the engine as
-// independent lanes (Note [lanes] in progress_engine.h). Every member cuts the same way (the
-// choice depends on the size, the dtype and the settings, which must agree), each segment's
+// up to MpiOptions::ring_lanes contiguous segments of at least ring_lane_min_bytes and runs
+// one ring (or node-aware all-reduce) per segment, each with a tag of its own, advanced by the
+// engine as independent lanes (Note [lanes] in progress_engine.h). Every member cuts the same way
+// (the choice depends on the size, the dtype and the settings, which must agree), each segment's
 // chunks are summed along one path as before, so members still end with bit-identical
 // results; the bytes each rank sends are the same up to the rounding of chunk sizes.
 constexpr int kMaxLanes = 8;

@@ -273,7 +273,7 @@ int64_t ShmAllreduce::bytes_sent() const {
   if (!lanes_.empty()) {
     int64_t sum = 0;
     for (const Lane& lane : lanes_) {
-      sum += lane.ring ? lane.ring->bytes_sent() : lane.node_aware->bytes_sent();
+      sum += lane.bytes_sent();
     }
     return sum;
   }
@@ -284,7 +284,7 @@ int64_t ShmAllreduce::bytes_received() const {
   if (!lanes_.empty()) {
     int64_t sum = 0;
     for (const Lane& lane : lanes_) {
-      sum += lane.ring ? lane.ring->bytes_received() : lane.node_aware->bytes_received();
+      sum += lane.bytes_received();
     }
     return sum;
   }
@@ -293,8 +293,7 @@ int64_t ShmAllreduce::bytes_received() const {
 
 std::vector<MPI_Request> ShmAllreduce::next(int lane) {
   if (!lanes_.empty()) {
-    Lane& l = lanes_.at(static_cast<size_t>(lane));
-    return l.ring ? l.ring->next() : l.node_aware->next();
+    return lanes_.at(static_cast<size_t>(lane)).next();
   }
   if (lane != 0) {
     throw CommError(cat("all-reduce: lane ", lane, " advanced before the lanes were opened"));

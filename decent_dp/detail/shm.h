@@ -140,6 +140,11 @@ class ShmAllreduce {
   struct Lane {
     std::unique_ptr<RingAllreduce> ring;
     std::unique_ptr<NodeAwareAllreduce> node_aware;
+    std::vector<MPI_Request> next() { return ring ? ring->next() : node_aware->next(); }
+    int64_t bytes_sent() const { return ring ? ring->bytes_sent() : node_aware->bytes_sent(); }
+    int64_t bytes_received() const {
+      return ring ? ring->bytes_received() : node_aware->bytes_received();
+    }
   };
   std::vector<Lane> lanes_;
 };
