@@ -81,6 +81,38 @@ if [ "$(leftovers)" != "$before" ]; then
   exit 1
 fi
 
+# calibrate on 2 nodes of 2 ranks: the blocks, then the stream of ring's exchanges whose
+# time gives the pairs' share through the planner (Note [shares from a stream]).
+cal_json="$(mktemp)"
+out="$("$cluster" --nodes 2 --ranks-per-node 2 --rate 1gbit -- \
+  sh -c "'$root/benchmarks/emulate/calibrate' --mpirun \"\$EMU_MPIRUN\" --lws 2 --nodes 2 --bytes 1M --iters 1 --repeats 1 --json '$cal_json'" 2>&1)"
+rc=$?
+echo "$out" | grep -v "setpgid"
+if [ "$rc" -ne 0 ]; then
+  rm -f "$cal_json"
+  echo "FAIL: calibrate on 2 emulated nodes of 2 ranks exited with $rc"
+  exit 1
+fi
+if ! python3 - "$cal_json" <<'PY'
+import json, sys
+f = json.load(open(sys.argv[1]))
+ok = (0 < f["shared_efficiency"] <= 1 and 0 < f["block_shared_efficiency"] <= 1
+      and f["stream_ring_ms"] > f["stream_compute_ms"] >= 0 and f["inter_bw_MBps"] > 0
+      and f["intra_bw_MBps"] > 0 and f["ring_efficiency"] is None)
+sys.exit(0 if ok else 1)
+PY
+then
+  cat "$cal_json"
+  rm -f "$cal_json"
+  echo "FAIL: calibrate's JSON lacks a share in (0, 1], the stream's times or the links' rates"
+  exit 1
+fi
+rm -f "$cal_json"
+if [ "$(leftovers)" != "$before" ]; then
+  echo "FAIL: namespaces or interfaces left after calibrate"
+  exit 1
+fi
+
 "$cluster" --nodes 2 -- sh -c 'exit 3'
 rc=$?
 if [ "$rc" -ne 3 ]; then
