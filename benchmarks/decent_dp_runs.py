@@ -24,6 +24,30 @@ ROOT = os.path.dirname(HERE)
 NON_GOSSIP = ("allreduce", "local")
 
 
+def wrapper_buckets(numels, cap_bytes, element_bytes=4):
+    """Bucket sizes in bytes as the wrappers build them (spec, "Buckets"): parameters of
+    numels elements walked in gradient-ready order, each taking its element count rounded up
+    to a multiple of 32; a bucket closes once its total reaches cap_bytes (the parameter that
+    crosses the cap stays in it), and the last one holds the rest."""
+    buckets, current = [], 0
+    for numel in numels:
+        current += (numel + 31) // 32 * 32 * element_bytes
+        if current >= cap_bytes:
+            buckets.append(current)
+            current = 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def sleep_model_buckets_mib(params, layers, cap_mb):
+    """The buckets, in MiB, of step_bench's sleep model (--params split over --layers, the
+    first params % layers layers one element more; gradients ready from the last layer back)
+    under bucket_cap_mb = cap_mb."""
+    sizes = [params // layers + (1 if i < params % layers else 0) for i in range(layers)]
+    return [b / (1 << 20) for b in wrapper_buckets(list(reversed(sizes)), cap_mb * (1 << 20))]
+
+
 def use_project_python():
     """Re-executes the calling script with the project's virtual environment (scripts/bootstrap)
     when this Python has no matplotlib."""

@@ -37,6 +37,24 @@ class StreamBuckets(unittest.TestCase):
         self.assertEqual(got, want)
 
 
+class SleepModelBuckets(unittest.TestCase):
+    """decent_dp_runs.sleep_model_buckets_mib, which fig6 gives the planner for its sweeps."""
+
+    def test_the_main_sweep(self):
+        # 5.5 M parameters in 8 layers of 687500, each rounded up to 687520 (21485 x 32) =
+        # 2750080 bytes; under a cap of 4 MiB the second layer crosses it: 4 buckets of two
+        # layers, not the 5 full buckets of 4 MiB and a rest that --params would give.
+        got = calibrate.runs.sleep_model_buckets_mib(5500000, 8, 4)
+        self.assertEqual(got, [5500160 / MIB] * 4)
+
+    def test_a_rest_and_a_cap_above_the_model(self):
+        # 10 parameters in 3 layers (4, 3, 3), each rounded up to 32 elements (128 bytes).
+        self.assertEqual(calibrate.runs.sleep_model_buckets_mib(10, 3, 25), [384 / MIB])
+        # A cap of 256 bytes: two layers reach it, the last layer is the rest.
+        self.assertEqual(calibrate.runs.sleep_model_buckets_mib(10, 3, 256 / MIB),
+                         [256 / MIB, 128 / MIB])
+
+
 @unittest.skipUnless(os.access(os.path.join(BUILD, "bin", "decent_dp_topology"), os.X_OK),
                      "needs build/bin/decent_dp_topology")
 class SolveEfficiency(unittest.TestCase):

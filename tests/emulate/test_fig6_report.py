@@ -19,9 +19,9 @@ SWEEP = {"name": "cells", "kind": "emulated-step-time", "nodes": [4], "ranks_per
          "rates": ["400mbit"], "global_compute_ms": 600, "params": 2500000, "layers": 8,
          "bucket_mb": 4, "jitter_ms": 0, "steps": 12, "rounds": 3, "warmup": 2,
          "topologies": ["complete", "ring", "exp", "aer"]}
-# A calibration of 4 emulated nodes at 400 Mbit/s. With it and 82.6 ms of compute the
-# planner predicts aer < ring < complete < one-peer-exp < all-reduce (175, 296, 331, 375,
-# 385 ms).
+# A calibration of 4 emulated nodes at 400 Mbit/s. With it, 82.6 ms of compute and the
+# sleep model's two buckets of 5000192 bytes the planner predicts aer < ring < complete <
+# one-peer-exp < all-reduce (175, 294, 331, 374, 391 ms).
 CALIBRATION = {"lws": 2, "nodes": 4, "intra_bw_MBps": 1067.2, "inter_bw_MBps": 46.4,
                "flow_bw_MBps": 0.0, "shared_efficiency": 0.809, "ring_efficiency": 0.977}
 
