@@ -48,6 +48,25 @@ def sleep_model_buckets_mib(params, layers, cap_mb):
     return [b / (1 << 20) for b in wrapper_buckets(list(reversed(sizes)), cap_mb * (1 << 20))]
 
 
+def plan_step_ms(build_dir, ranks, lws, buckets_mib, compute_ms, intra_mbps, inter_mbps,
+                 shared_efficiency, ring_efficiency=None, jitter_ms=0.0, extra=()):
+    """{name: ms per step} of every prediction of decent_dp_topology --plan (topologies and
+    "all-reduce") for these inputs: bandwidths in MB/s, buckets in MiB, ring_efficiency None
+    for the planner's default; extra: more flags (--flat-ring, --name N). Raises RuntimeError
+    with the planner's message when it fails."""
+    cmd = [os.path.join(build_dir, "bin", "decent_dp_topology"), "--plan", "--json",
+           "-n", str(ranks), "--lws", str(lws), "--buckets"] + [repr(b) for b in buckets_mib] + [
+           "--compute-ms", repr(compute_ms), "--jitter-ms", repr(jitter_ms),
+           "--intra-bw", repr(intra_mbps), "--inter-bw", repr(inter_mbps),
+           "--shared-efficiency", repr(shared_efficiency)] + list(extra)
+    if ring_efficiency is not None:
+        cmd += ["--ring-efficiency", repr(ring_efficiency)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"the planner failed: {out.stderr.strip()}")
+    return {p["name"]: p["step_ms"] for p in json.loads(out.stdout)["predictions"]}
+
+
 def use_project_python():
     """Re-executes the calling script with the project's virtual environment (scripts/bootstrap)
     when this Python has no matplotlib."""
