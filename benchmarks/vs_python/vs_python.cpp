@@ -1,0 +1,289 @@
+// vs_python: decent_dp's side of the comparison with the Python original (the published
+// `decent-dp` package; benchmarks/vs_python/vs_python.py is its side). Both programs take the
+// same command line and train the same model, initialized the same way, on the same batches,
+// with the same optimizer arithmetic (ATen's fused AdamW / SGD), so their trajectories can be
+// compared number for number and their step times side by side.
+//
+//   mpirun -n 2 build/bin/vs_python [--model conv|mlp|small-conv|small-mlp] [--topology complete]
+//     [--optimizer adamw|sgd] [--steps 3] [--rounds 5] [--warmup 2] [--cases local,gossip]
+//     [--json out.json] [--dump prefix]
+//
+// Cases, run interleaved in rounds: "local" (the model and its optimizer, no communication)
+// and "gossip" (DecentralizedDataParallel). Each round times --steps steps per case after a
+// barrier; a case's time in a round is the slowest rank's mean step time, the exchanges in
+// flight drained inside the timed interval. Rank 0 writes the per-round times as JSON; with
+// --dump every rank writes the gossip (else the local) model's final parameters (float32,
+// named_parameters order) to <prefix>.rank<r>.bin. benchmarks/vs_python/compare runs both programs.
+#define OMPI_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+#include <CLI/CLI.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+
+#include "benchmarks/bench_util.h"
+#include "decent_dp/decent_dp.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The same networks as vs_python.py's make_model (parameter names and order included).
+torch::nn::Sequential make_model(const std::string& name) {
+  using namespace torch::nn;
+  if (name == "mlp")  // 21 M parameters
+    return Sequential(Linear(1024, 4096), ReLU(), Linear(4096, 4096), ReLU(), Linear(4096, 10));
+  if (name == "small-mlp")
+    return Sequential(Linear(32, 64), ReLU(), Linear(64, 64), Tanh(), Linear(64, 10));
+  const bool big = name == "conv";
+  const std::vector<int64_t> widths =
+      big ? std::vector<int64_t>{64, 128, 256, 512, 512, 512} : std::vector<int64_t>{8, 16};
+  const size_t pools = big ? 4 : 2;
+  Sequential s;
+  int64_t in = 3;
+  for (size_t i = 0; i < widths.size(); ++i) {
+    s->push_back(Conv2d(Conv2dOptions(in, widths[i], 3).padding(1).bias(false)));
+    s->push_back(BatchNorm2d(widths[i]));
+    s->push_back(ReLU());
+    if (i < pools)
+      s->push_back(MaxPool2d(2));
+    in = widths[i];
+  }
+  s->push_back(Flatten());
+  if (big) {  // 10.5 M parameters, 32x32 inputs
+    s->push_back(Linear(512 * 2 * 2, 2048));
+    s->push_back(ReLU());
+    s->push_back(Linear(2048, 10));
+  } else {  // 16x16 inputs
+    s->push_back(Linear(16 * 4 * 4, 10));
+  }
+  return s;
+}
+
+std::vector<int64_t> input_shape(const std::string& name, int64_t batch) {
+  if (name == "mlp")
+    return {batch, 1024};
+  if (name == "small-mlp")
+    return {batch, 32};
+  if (name == "conv")
+    return {batch, 3, 32, 32};
+  return {batch, 3, 16, 16};
+}
+
+// Parameter i (named_parameters order) <- randn(shape, seeded seed * 1000003 + i) times
+// 1/sqrt(fan_in) for tensors of two or more dimensions, 0.1 for the others.
+void initialize(torch::nn::Module& model, int64_t seed) {
+  torch::NoGradGuard no_grad;
+  int64_t i = 0;
+  for (auto& p : model.parameters()) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + i++);
+    const double scale = p.dim() >= 2 ? 1.0 / std::sqrt(static_cast<double>(p[0].numel())) : 0.1;
+    p.copy_(at::randn(p.sizes(), gen).mul_(scale));
+  }
+}
+
+double slowest(double ms) {
+  double out = 0;
+  MPI_Allreduce(&ms, &out, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"decent_dp's side of the comparison with the Python decent-dp package"};
+  std::string model_name = "conv", topology = "complete", optimizer = "adamw", cases_arg;
+  std::string json_path, dump;
+  double lr = 1e-3, weight_decay = 0.01, momentum = 0.9, bucket_mb = 25;
+  int batch = 16, n_batches = 1, steps = 3, rounds = 5, warmup = 2, threads = 1;
+  int64_t seed = 1;
+  cases_arg = "local,gossip";
+  app.add_option("--model", model_name, "network")
+      ->check(CLI::IsMember({"conv", "mlp", "small-conv", "small-mlp"}));
+  app.add_option("--topology", topology, "DecentralizedDataParallel's topology");
+  app.add_option("--optimizer", optimizer, "adamw or sgd (fused, on every parameter)")
+      ->check(CLI::IsMember({"adamw", "sgd"}));
+  app.add_option("--lr", lr, "learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--weight-decay", weight_decay, "weight decay")->check(CLI::NonNegativeNumber);
+  app.add_option("--momentum", momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0));
+  app.add_option("--batch", batch, "samples per rank and step")->check(CLI::PositiveNumber);
+  app.add_option("--batches", n_batches, "distinct batches per rank, cycled")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--steps", steps, "timed steps per case and round")->check(CLI::PositiveNumber);
+  app.add_option("--rounds", rounds, "rounds over the cases")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup, "untimed steps per case first")->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", seed, "seed of the parameters and the batches")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--bucket-mb", bucket_mb, "bucket_cap_mb")->check(CLI::PositiveNumber);
+  app.add_option("--threads", threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
+  app.add_option("--cases", cases_arg, "local and/or gossip, comma-separated");
+  app.add_option("--json", json_path, "rank 0 writes the per-round times here");
+  app.add_option(
+      "--dump", dump,
+      "each rank writes the gossip (else the local) model's parameters to PREFIX.rankR.bin");
+  CLI11_PARSE(app, argc, argv);
+  std::vector<std::string> order;
+  {
+    std::stringstream in(cases_arg);
+    for (std::string c; std::getline(in, c, ',');) {
+      if (c.empty())
+        continue;
+      if (c != "local" && c != "gossip") {
+        std::fprintf(stderr, "error: --cases takes local and/or gossip, got '%s'\n", c.c_str());
+        return 2;
+      }
+      order.push_back(c);
+    }
+    if (order.empty()) {
+      std::fprintf(stderr, "error: --cases must name local and/or gossip\n");
+      return 2;
+    }
+  }
+  if (const std::string bad = decent_dp::bench::check_writable(json_path, "--json"); !bad.empty()) {
+    std::fprintf(stderr, "error: %s\n", bad.c_str());
+    return 2;
+  }
+  at::set_num_threads(threads);
+  auto comm = decent_dp::default_communicator();
+  const int rank = comm->rank(), n = comm->size();
+
+  std::vector<std::pair<at::Tensor, at::Tensor>> data;
+  for (int b = 0; b < n_batches; ++b) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + 7919 * (rank + 1) + b);
+    auto x = at::randn(input_shape(model_name, batch), gen);
+    auto y = at::randint(0, 10, {batch}, gen);
+    data.emplace_back(x, y);
+  }
+  decent_dp::optim::OptimFn optim_fn;
+  auto every = [](const std::string&, const at::Tensor&) { return true; };
+  if (optimizer == "adamw") {
+    decent_dp::optim::AdamWFactoryOptions o;
+    o.lr = lr;
+    o.weight_decay = weight_decay;
+    o.decay = every;
+    optim_fn = decent_dp::optim::adamw(o);
+  } else {
+    decent_dp::optim::SgdFactoryOptions o;
+    o.lr = lr;
+    o.momentum = momentum;
+    o.weight_decay = weight_decay;
+    o.decay = every;
+    optim_fn = decent_dp::optim::sgd(o);
+  }
+
+  struct Case {
+    std::function<void(const at::Tensor&, const at::Tensor&)> step;
+    std::function<void()> finish;
+    torch::nn::Sequential net;
+    int64_t counter = 0;
+    std::vector<double> ms;
+  };
+  std::map<std::string, Case> cases;
+  std::vector<std::shared_ptr<void>> keep;
+  for (const auto& c : order) {
+    auto net = make_model(model_name);
+    initialize(*net, seed);
+    cases[c].net = net;
+    if (c == "local") {
+      decent_dp::optim::NamedParams named;
+      for (const auto& p : net->named_parameters())
+        named.emplace_back(p.key(), p.value());
+      std::shared_ptr<torch::optim::Optimizer> opt = optim_fn(named);
+      keep.push_back(opt);
+      cases[c].step = [net, opt](const at::Tensor& x, const at::Tensor& y) mutable {
+        opt->zero_grad();
+        torch::cross_entropy_loss(net->forward(x), y).backward();
+        opt->step();
+      };
+      cases[c].finish = [] {};
+    } else {
+      decent_dp::DataParallelOptions options;
+      options.topology = topology;
+      options.bucket_cap_mb = bucket_mb;
+      std::shared_ptr<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>> model;
+      try {
+        model = std::make_shared<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>>(
+            net, options, optim_fn, nullptr, comm);
+      } catch (const decent_dp::InvalidArgument& e) {
+        if (rank == 0)
+          std::fprintf(stderr, "error: %s\n", e.what());
+        return 2;
+      }
+      keep.push_back(model);
+      cases[c].step = [model](const at::Tensor& x, const at::Tensor& y) {
+        torch::cross_entropy_loss(model->forward(x), y).backward();
+      };
+      cases[c].finish = [model] { model->synchronize(); };
+    }
+  }
+  auto run = [&](Case& c, int count) {
+    for (int i = 0; i < count; ++i) {
+      const auto& [x, y] = data[static_cast<size_t>(c.counter++ % n_batches)];
+      c.step(x, y);
+    }
+  };
+  for (const auto& name : order) {
+    run(cases[name], warmup);
+    cases[name].finish();
+  }
+  for (int r = 0; r < rounds; ++r) {
+    for (size_t k = 0; k < order.size(); ++k) {
+      Case& c = cases[order[(k + static_cast<size_t>(r)) % order.size()]];
+      MPI_Barrier(MPI_COMM_WORLD);
+      const auto t0 = Clock::now();
+      run(c, steps);
+      c.finish();
+      const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      c.ms.push_back(slowest(ms / steps));
+    }
+  }
+  if (!dump.empty()) {
+    std::vector<at::Tensor> flat;
+    for (const auto& p : cases[cases.count("gossip") > 0 ? "gossip" : "local"].net->parameters())
+      flat.push_back(p.detach().reshape({-1}).to(at::kFloat));
+    const auto all = at::cat(flat).contiguous();
+    const std::string path = dump + ".rank" + std::to_string(rank) + ".bin";
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(static_cast<const char*>(all.data_ptr()), static_cast<std::streamsize>(all.nbytes()));
+    out.close();
+    if (!out) {
+      std::fprintf(stderr, "error: --dump: writing '%s' failed\n", path.c_str());
+      return 1;
+    }
+  }
+  if (rank == 0 && !json_path.empty()) {
+    nlohmann::json ms;
+    for (const auto& name : order)
+      ms[name] = cases[name].ms;
+    int64_t parameters = 0;
+    for (const auto& p : make_model(model_name)->parameters())
+      parameters += p.numel();
+    if (!decent_dp::bench::write_json(json_path,
+                                      nlohmann::json{{"implementation", "decent_dp"},
+                                                     {"ranks", n},
+                                                     {"model", model_name},
+                                                     {"topology", topology},
+                                                     {"optimizer", optimizer},
+                                                     {"batch", batch},
+                                                     {"steps", steps},
+                                                     {"rounds", rounds},
+                                                     {"warmup", warmup},
+                                                     {"threads", threads},
+                                                     {"parameters", parameters},
+                                                     {"ms", ms}},
+                                      "--json"))
+      return 1;
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  return 0;
+}
