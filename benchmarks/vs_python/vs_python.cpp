@@ -111,8 +111,17 @@ int main(int argc, char** argv) {
   app.add_option("--model", model_name, "network")
       ->check(CLI::IsMember({"conv", "mlp", "small-conv", "small-mlp"}));
   app.add_option("--topology", topology, "DecentralizedDataParallel's topology");
-  app.add_option("--optimizer", optimizer, "adamw or sgd (fused, on every parameter)")
-      ->check(CLI::IsMember({"adamw", "sgd"}));
+  app.add_option("--optimizer", optimizer, "adamw, sgd or accum-adamw (on every parameter)")
+      ->check(CLI::IsMember({"adamw", "sgd", "accum-adamw"}));
+  int64_t accum_iter = 4, t_max = 100, t_warmup = 0;
+  std::string scheduler = "none";
+  app.add_option("--accum-iter", accum_iter, "accum-adamw: updates per accumulation")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--scheduler", scheduler, "none, or cosine (with linear warmup)")
+      ->check(CLI::IsMember({"none", "cosine"}));
+  app.add_option("--t-max", t_max, "cosine: steps of the cosine")->check(CLI::PositiveNumber);
+  app.add_option("--t-warmup", t_warmup, "cosine: steps of linear warmup")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--lr", lr, "learning rate")->check(CLI::PositiveNumber);
   app.add_option("--weight-decay", weight_decay, "weight decay")->check(CLI::NonNegativeNumber);
   app.add_option("--momentum", momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0));
@@ -172,6 +181,13 @@ int main(int argc, char** argv) {
     o.weight_decay = weight_decay;
     o.decay = every;
     optim_fn = decent_dp::optim::adamw(o);
+  } else if (optimizer == "accum-adamw") {
+    decent_dp::optim::AccumAdamWFactoryOptions o;
+    o.lr = lr;
+    o.weight_decay = weight_decay;
+    o.accum_iter = accum_iter;
+    o.decay = every;
+    optim_fn = decent_dp::optim::accum_adamw(o);
   } else {
     decent_dp::optim::SgdFactoryOptions o;
     o.lr = lr;
@@ -180,6 +196,11 @@ int main(int argc, char** argv) {
     o.decay = every;
     optim_fn = decent_dp::optim::sgd(o);
   }
+  // The package's lr_scheduler_fn_cosine_with_warmup with its defaults (eta_min 1e-6, warmup
+  // from 1% of the learning rate).
+  const decent_dp::optim::LrSchedulerFn scheduler_fn =
+      scheduler == "cosine" ? decent_dp::optim::cosine_with_warmup(t_max, t_warmup, 0.01, 1e-6)
+                            : nullptr;
 
   struct Case {
     std::function<void(const at::Tensor&, const at::Tensor&)> step;
@@ -199,11 +220,16 @@ int main(int argc, char** argv) {
       for (const auto& p : net->named_parameters())
         named.emplace_back(p.key(), p.value());
       std::shared_ptr<torch::optim::Optimizer> opt = optim_fn(named);
+      std::shared_ptr<torch::optim::LRScheduler> sched;
+      if (scheduler_fn)
+        sched = scheduler_fn(*opt);
       keep.push_back(opt);
-      cases[c].step = [net, opt](const at::Tensor& x, const at::Tensor& y) mutable {
+      cases[c].step = [net, opt, sched](const at::Tensor& x, const at::Tensor& y) mutable {
         opt->zero_grad();
         torch::cross_entropy_loss(net->forward(x), y).backward();
         opt->step();
+        if (sched)
+          sched->step();
       };
       cases[c].finish = [] {};
     } else {
@@ -213,7 +239,7 @@ int main(int argc, char** argv) {
       std::shared_ptr<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>> model;
       try {
         model = std::make_shared<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>>(
-            net, options, optim_fn, nullptr, comm);
+            net, options, optim_fn, scheduler_fn, comm);
       } catch (const decent_dp::InvalidArgument& e) {
         if (rank == 0)
           std::fprintf(stderr, "error: %s\n", e.what());

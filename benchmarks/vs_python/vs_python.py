@@ -27,7 +27,11 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="conv", choices=["conv", "mlp", "small-conv", "small-mlp"])
     p.add_argument("--topology", default="complete")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "accum-adamw"])
+    p.add_argument("--accum-iter", type=int, default=4)
+    p.add_argument("--scheduler", default="none", choices=["none", "cosine"])
+    p.add_argument("--t-max", type=int, default=100, help="cosine: steps of the cosine")
+    p.add_argument("--t-warmup", type=int, default=0, help="cosine: steps of linear warmup")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--momentum", type=float, default=0.9)
@@ -43,11 +47,13 @@ def parse_args(argv):
     p.add_argument("--json", default="")
     p.add_argument("--dump", default="")
     a = p.parse_args(argv)
-    for name in ("batch", "batches", "steps", "rounds", "threads", "bucket_mb"):
+    for name in ("batch", "batches", "steps", "rounds", "threads", "bucket_mb", "accum_iter",
+                 "t_max"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if a.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {a.warmup}")
+    for name in ("warmup", "t_warmup"):
+        if getattr(a, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
     a.cases = [c for c in a.cases.split(",") if c]
     if not a.cases or any(c not in ("local", "gossip") for c in a.cases):
         p.error(f"--cases takes local and/or gossip, got {','.join(a.cases)}")
@@ -122,10 +128,17 @@ def main(argv):
 
     try:
         from decent_dp.ddp import DecentralizedDataParallel
+        from decent_dp.optim import AccumAdamW, lr_scheduler_fn_cosine_with_warmup
     except ImportError as e:
         print(f"error: the decent-dp package is not installed ({e}); run scripts/bootstrap",
               file=sys.stderr)
         return 3
+    # decent-dp 0.2.3's AccumAdamW.step calls Optimizer._cuda_graph_capture_health_check, which
+    # torch has since renamed; the renamed check stands in for it (the arithmetic is the
+    # package's own).
+    if not hasattr(AccumAdamW, "_cuda_graph_capture_health_check"):
+        AccumAdamW._cuda_graph_capture_health_check = (
+            torch.optim.Optimizer._accelerator_graph_capture_health_check)
     try:  # the package logs at DEBUG on rank 0 through loguru
         from loguru import logger
         logger.remove()
@@ -140,8 +153,17 @@ def main(argv):
         if a.optimizer == "adamw":
             return torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.999), eps=1e-8,
                                      weight_decay=a.weight_decay, fused=True)
-        return torch.optim.SGD(params, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay,
-                               fused=True)
+        if a.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=a.lr, momentum=a.momentum,
+                                   weight_decay=a.weight_decay, fused=True)
+        return AccumAdamW(params, lr=a.lr, betas=(0.9, 0.999), eps=1e-8,
+                          weight_decay=a.weight_decay, accum_iter=a.accum_iter)
+
+    def scheduler_fn(optimizer):
+        return lr_scheduler_fn_cosine_with_warmup(optimizer, t_max=a.t_max, t_warmup=a.t_warmup,
+                                                  cosine_eta_min=1e-6, warmup_decay=0.01)
+
+    scheduler = scheduler_fn if a.scheduler == "cosine" else None
 
     data = batches(torch, a, rank)
     cases = {}
@@ -149,18 +171,21 @@ def main(argv):
         net = make_model(nn, a.model)
         initialize(torch, net, a.seed)
         opt = optim_fn(list(net.named_parameters()))
+        sched = scheduler(opt) if scheduler else None
 
-        def local_step(x, y, net=net, opt=opt):
+        def local_step(x, y, net=net, opt=opt, sched=sched):
             opt.zero_grad()
             F.cross_entropy(net(x), y).backward()
             opt.step()
+            if sched is not None:
+                sched.step()
 
         cases["local"] = (local_step, lambda: None, net)
     if "gossip" in a.cases:
         net = make_model(nn, a.model)
         initialize(torch, net, a.seed)
-        ddp = DecentralizedDataParallel(net, optim_fn, topology=a.topology,
-                                        bucket_size_in_mb=a.bucket_mb)
+        ddp = DecentralizedDataParallel(net, optim_fn, lr_scheduler_fn=scheduler,
+                                        topology=a.topology, bucket_size_in_mb=a.bucket_mb)
 
         def gossip_step(x, y, ddp=ddp):
             F.cross_entropy(ddp(x), y).backward()
