@@ -8,11 +8,13 @@
 //     [--optimizer adamw|sgd] [--steps 3] [--rounds 5] [--warmup 2] [--cases local,gossip]
 //     [--json out.json] [--dump prefix]
 //
-// Cases, run interleaved in rounds: "local" (the model and its optimizer, no communication)
-// and "gossip" (DecentralizedDataParallel). Each round times --steps steps per case after a
-// barrier; a case's time in a round is the slowest rank's mean step time, the exchanges in
-// flight drained inside the timed interval. Rank 0 writes the per-round times as JSON; with
-// --dump every rank writes the gossip (else the local) model's final parameters (float32,
+// Cases, run interleaved in rounds: "local" (the model and its optimizer, no communication),
+// "gossip" (DecentralizedDataParallel) and "allreduce" (DistributedDataParallel; the Python
+// side runs torch's DistributedDataParallel and the optimizer after it). Each round times --steps
+// steps per case after a barrier; a case's time in a round is the slowest rank's mean step time,
+// the exchanges in flight drained inside the timed interval. Rank 0 writes the per-round times as
+// JSON; with
+// --dump every rank writes the final parameters of the last case named in --cases (float32,
 // named_parameters order) to <prefix>.rank<r>.bin. benchmarks/vs_python/compare runs both programs.
 #define OMPI_SKIP_MPICXX 1
 #include <mpi.h>
@@ -23,6 +25,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -135,11 +138,9 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--bucket-mb", bucket_mb, "bucket_cap_mb")->check(CLI::PositiveNumber);
   app.add_option("--threads", threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
-  app.add_option("--cases", cases_arg, "local and/or gossip, comma-separated");
+  app.add_option("--cases", cases_arg, "local, gossip and/or allreduce, comma-separated");
   app.add_option("--json", json_path, "rank 0 writes the per-round times here");
-  app.add_option(
-      "--dump", dump,
-      "each rank writes the gossip (else the local) model's parameters to PREFIX.rankR.bin");
+  app.add_option("--dump", dump, "each rank writes the last case's parameters to PREFIX.rankR.bin");
   CLI11_PARSE(app, argc, argv);
   std::vector<std::string> order;
   {
@@ -147,14 +148,18 @@ int main(int argc, char** argv) {
     for (std::string c; std::getline(in, c, ',');) {
       if (c.empty())
         continue;
-      if (c != "local" && c != "gossip") {
-        std::fprintf(stderr, "error: --cases takes local and/or gossip, got '%s'\n", c.c_str());
+      if ((c != "local" && c != "gossip" && c != "allreduce") ||
+          std::find(order.begin(), order.end(), c) != order.end()) {
+        std::fprintf(stderr,
+                     "error: --cases takes each of local, gossip, allreduce at most once, got "
+                     "'%s'\n",
+                     cases_arg.c_str());
         return 2;
       }
       order.push_back(c);
     }
     if (order.empty()) {
-      std::fprintf(stderr, "error: --cases must name local and/or gossip\n");
+      std::fprintf(stderr, "error: --cases must name local, gossip and/or allreduce\n");
       return 2;
     }
   }
@@ -232,6 +237,16 @@ int main(int argc, char** argv) {
           sched->step();
       };
       cases[c].finish = [] {};
+    } else if (c == "allreduce") {
+      decent_dp::DataParallelOptions options;
+      options.bucket_cap_mb = bucket_mb;
+      auto model = std::make_shared<decent_dp::DistributedDataParallel<torch::nn::Sequential>>(
+          net, options, optim_fn, scheduler_fn, comm);
+      keep.push_back(model);
+      cases[c].step = [model](const at::Tensor& x, const at::Tensor& y) {
+        torch::cross_entropy_loss(model->forward(x), y).backward();
+      };
+      cases[c].finish = [model] { model->synchronize(); };
     } else {
       decent_dp::DataParallelOptions options;
       options.topology = topology;
@@ -275,7 +290,7 @@ int main(int argc, char** argv) {
   }
   if (!dump.empty()) {
     std::vector<at::Tensor> flat;
-    for (const auto& p : cases[cases.count("gossip") > 0 ? "gossip" : "local"].net->parameters())
+    for (const auto& p : cases[order.back()].net->parameters())
       flat.push_back(p.detach().reshape({-1}).to(at::kFloat));
     const auto all = at::cat(flat).contiguous();
     const std::string path = dump + ".rank" + std::to_string(rank) + ".bin";

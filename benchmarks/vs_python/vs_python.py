@@ -4,11 +4,12 @@ same data as build/bin/vs_python, with the same command line. Launched under mpi
 benchmarks/vs_python/compare (one process per rank; rank, world size and local world size
 come from Open MPI's environment, MASTER_ADDR / MASTER_PORT from the launcher).
 
-Cases, run interleaved in rounds: "local" (the model and its optimizer, no communication)
-and "gossip" (the package's wrapper). Each round times `--steps` steps per case after a
+Cases, run interleaved in rounds: "local" (the model and its optimizer, no communication),
+"gossip" (the package's wrapper) and "allreduce" (torch's DistributedDataParallel, then the
+optimizer's step: what decent_dp's DistributedDataParallel replaces). Each round times `--steps` steps per case after a
 barrier; a case's time in a round is the slowest rank's mean step time. Rank 0 writes the
-per-round times as JSON (--json); with --dump every rank writes the gossip (else the local) model's final
-parameters (float32, named_parameters order) to <prefix>.rank<r>.bin.
+per-round times as JSON (--json); with --dump every rank writes the final parameters of the last case
+named in --cases (float32, named_parameters order) to <prefix>.rank<r>.bin.
 
 The models, the initialization and the batches are defined identically in vs_python.cpp;
 keep the two in step.
@@ -21,6 +22,9 @@ import math
 import os
 import sys
 import time
+
+
+CASES = ("local", "gossip", "allreduce")
 
 
 def parse_args(argv):
@@ -55,8 +59,8 @@ def parse_args(argv):
         if getattr(a, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
     a.cases = [c for c in a.cases.split(",") if c]
-    if not a.cases or any(c not in ("local", "gossip") for c in a.cases):
-        p.error(f"--cases takes local and/or gossip, got {','.join(a.cases)}")
+    if not a.cases or any(c not in CASES for c in a.cases) or len(set(a.cases)) < len(a.cases):
+        p.error(f"--cases takes each of {', '.join(CASES)} at most once, got {','.join(a.cases)}")
     return a
 
 
@@ -167,20 +171,25 @@ def main(argv):
 
     data = batches(torch, a, rank)
     cases = {}
-    if "local" in a.cases:
+    for name in ("local", "allreduce"):
+        if name not in a.cases:
+            continue
         net = make_model(nn, a.model)
         initialize(torch, net, a.seed)
         opt = optim_fn(list(net.named_parameters()))
         sched = scheduler(opt) if scheduler else None
+        model = net
+        if name == "allreduce":
+            model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=a.bucket_mb)
 
-        def local_step(x, y, net=net, opt=opt, sched=sched):
+        def plain_step(x, y, model=model, opt=opt, sched=sched):
             opt.zero_grad()
-            F.cross_entropy(net(x), y).backward()
+            F.cross_entropy(model(x), y).backward()
             opt.step()
             if sched is not None:
                 sched.step()
 
-        cases["local"] = (local_step, lambda: None, net)
+        cases[name] = (plain_step, lambda: None, net)
     if "gossip" in a.cases:
         net = make_model(nn, a.model)
         initialize(torch, net, a.seed)
@@ -222,7 +231,7 @@ def main(argv):
             dist.all_reduce(ms, op=dist.ReduceOp.MAX)
             times[c].append(ms.item())
     if a.dump:
-        net = cases["gossip" if "gossip" in cases else "local"][2]
+        net = cases[a.cases[-1]][2]
         flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
         with open(f"{a.dump}.rank{rank}.bin", "wb") as f:
             f.write(flat.to(torch.float32).numpy().tobytes())
