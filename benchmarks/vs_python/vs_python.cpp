@@ -137,6 +137,10 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "seed of the parameters and the batches")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--bucket-mb", bucket_mb, "bucket_cap_mb")->check(CLI::PositiveNumber);
+  double grad_clip = 0;
+  app.add_option("--grad-clip", grad_clip,
+                 "gossip: clip each bucket's gradient norm to this (0: off)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--threads", threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
   app.add_option("--cases", cases_arg, "local, gossip and/or allreduce, comma-separated");
   app.add_option("--json", json_path, "rank 0 writes the per-round times here");
@@ -251,6 +255,7 @@ int main(int argc, char** argv) {
       decent_dp::DataParallelOptions options;
       options.topology = topology;
       options.bucket_cap_mb = bucket_mb;
+      options.grad_clip_norm = grad_clip;
       std::shared_ptr<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>> model;
       try {
         model = std::make_shared<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>>(

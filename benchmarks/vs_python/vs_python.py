@@ -46,6 +46,8 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per case first")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--bucket-mb", type=int, default=25)
+    p.add_argument("--grad-clip", type=float, default=0.0,
+                   help="gossip: clip each bucket's gradient norm to this (0: off)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cases", default="local,gossip")
     p.add_argument("--json", default="")
@@ -55,7 +57,7 @@ def parse_args(argv):
                  "t_max"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    for name in ("warmup", "t_warmup"):
+    for name in ("warmup", "t_warmup", "grad_clip"):
         if getattr(a, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
     a.cases = [c for c in a.cases.split(",") if c]
@@ -194,7 +196,8 @@ def main(argv):
         net = make_model(nn, a.model)
         initialize(torch, net, a.seed)
         ddp = DecentralizedDataParallel(net, optim_fn, lr_scheduler_fn=scheduler,
-                                        topology=a.topology, bucket_size_in_mb=a.bucket_mb)
+                                        topology=a.topology, bucket_size_in_mb=a.bucket_mb,
+                                        grad_clip_norm=a.grad_clip)
 
         def gossip_step(x, y, ddp=ddp):
             F.cross_entropy(ddp(x), y).backward()
