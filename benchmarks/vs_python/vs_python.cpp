@@ -1,21 +1,25 @@
-// vs_python: decent_dp's side of the comparison with the Python original (the published
-// `decent-dp` package; benchmarks/vs_python/vs_python.py is its side). Both programs take the
-// same command line and train the same model, initialized the same way, on the same batches,
-// with the same optimizer arithmetic (ATen's fused AdamW / SGD), so their trajectories can be
-// compared number for number and their step times side by side.
+// vs_python: decent_dp's side of the comparison with the Python originals (the published
+// `decent-dp` package and torch's DistributedDataParallel; benchmarks/vs_python/vs_python.py
+// is their side). Both programs take the same command line and train the same model,
+// initialized the same way, on the same batches, with the same optimizer arithmetic (ATen's
+// fused AdamW / SGD), so their trajectories can be compared number for number and their
+// step times side by side.
 //
-//   mpirun -n 2 build/bin/vs_python [--model conv|mlp|small-conv|small-mlp] [--topology complete]
-//     [--optimizer adamw|sgd] [--steps 3] [--rounds 5] [--warmup 2] [--cases local,gossip]
-//     [--json out.json] [--dump prefix]
+//   mpirun -n 2 build/bin/vs_python [--model conv|mlp|small-conv|small-mlp]
+//     [--topology complete] [--optimizer adamw|sgd|accum-adamw] [--steps 3] [--rounds 5]
+//     [--warmup 2] [--round-warmup 0] [--cases local,gossip,allreduce] [--json out.json]
+//     [--dump prefix]
 //
 // Cases, run interleaved in rounds: "local" (the model and its optimizer, no communication),
 // "gossip" (DecentralizedDataParallel) and "allreduce" (DistributedDataParallel; the Python
-// side runs torch's DistributedDataParallel and the optimizer after it). Each round times --steps
-// steps per case after a barrier; a case's time in a round is the slowest rank's mean step time,
-// the exchanges in flight drained inside the timed interval. Rank 0 writes the per-round times as
-// JSON; with
-// --dump every rank writes the final parameters of the last case named in --cases (float32,
-// named_parameters order) to <prefix>.rank<r>.bin. benchmarks/vs_python/compare runs both programs.
+// side runs torch's DistributedDataParallel and the optimizer after it). Each round times
+// --steps steps per case after a barrier; a case's time in a round is the slowest rank's
+// mean step time. By default the exchanges in flight are drained inside the timed interval;
+// with --round-warmup N, N untimed steps start each round and the drain is left out: the
+// steady-state period, as step_bench's --round-warmup. Rank 0 writes the per-round times as
+// JSON; with --dump every rank writes the final parameters of the last case named in --cases
+// (float32, named_parameters order) to <prefix>.rank<r>.bin. benchmarks/vs_python/compare
+// runs both programs.
 #define OMPI_SKIP_MPICXX 1
 #include <mpi.h>
 
@@ -134,6 +138,11 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "timed steps per case and round")->check(CLI::PositiveNumber);
   app.add_option("--rounds", rounds, "rounds over the cases")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed steps per case first")->check(CLI::NonNegativeNumber);
+  int round_warmup = 0;
+  app.add_option("--round-warmup", round_warmup,
+                 "untimed steps at the start of each round; N > 0 also leaves the round's final "
+                 "drain out of the time")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--seed", seed, "seed of the parameters and the batches")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--bucket-mb", bucket_mb, "bucket_cap_mb")->check(CLI::PositiveNumber);
@@ -286,10 +295,14 @@ int main(int argc, char** argv) {
     for (size_t k = 0; k < order.size(); ++k) {
       Case& c = cases[order[(k + static_cast<size_t>(r)) % order.size()]];
       MPI_Barrier(MPI_COMM_WORLD);
+      run(c, round_warmup);
       const auto t0 = Clock::now();
       run(c, steps);
-      c.finish();
+      if (round_warmup == 0)
+        c.finish();
       const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      if (round_warmup > 0)
+        c.finish();
       c.ms.push_back(slowest(ms / steps));
     }
   }
@@ -324,6 +337,7 @@ int main(int argc, char** argv) {
                                                      {"steps", steps},
                                                      {"rounds", rounds},
                                                      {"warmup", warmup},
+                                                     {"round_warmup", round_warmup},
                                                      {"threads", threads},
                                                      {"parameters", parameters},
                                                      {"ms", ms}},

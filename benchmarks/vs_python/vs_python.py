@@ -7,7 +7,8 @@ come from Open MPI's environment, MASTER_ADDR / MASTER_PORT from the launcher).
 Cases, run interleaved in rounds: "local" (the model and its optimizer, no communication),
 "gossip" (the package's wrapper) and "allreduce" (torch's DistributedDataParallel, then the
 optimizer's step: what decent_dp's DistributedDataParallel replaces). Each round times `--steps` steps per case after a
-barrier; a case's time in a round is the slowest rank's mean step time. Rank 0 writes the
+barrier; a case's time in a round is the slowest rank's mean step time (with --round-warmup
+N, after N untimed steps, and without the final drain of the exchanges in flight). Rank 0 writes the
 per-round times as JSON (--json); with --dump every rank writes the final parameters of the last case
 named in --cases (float32, named_parameters order) to <prefix>.rank<r>.bin.
 
@@ -44,6 +45,9 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=3, help="timed steps per case and round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per case first")
+    p.add_argument("--round-warmup", type=int, default=0,
+                   help="untimed steps at the start of each round; N > 0 also leaves the "
+                        "round's final drain out of the time")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--bucket-mb", type=int, default=25)
     p.add_argument("--grad-clip", type=float, default=0.0,
@@ -57,7 +61,7 @@ def parse_args(argv):
                  "t_max"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    for name in ("warmup", "t_warmup", "grad_clip"):
+    for name in ("warmup", "round_warmup", "t_warmup", "grad_clip"):
         if getattr(a, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
     a.cases = [c for c in a.cases.split(",") if c]
@@ -227,10 +231,15 @@ def main(argv):
         for k in range(len(order)):
             c = order[(k + r) % len(order)]
             dist.barrier()
+            run(c, a.round_warmup)
             t0 = time.perf_counter()
             run(c, a.steps)
-            cases[c][1]()
-            ms = torch.tensor([(time.perf_counter() - t0) * 1e3 / a.steps], dtype=torch.float64)
+            if a.round_warmup == 0:
+                cases[c][1]()
+            elapsed = time.perf_counter() - t0
+            if a.round_warmup > 0:
+                cases[c][1]()
+            ms = torch.tensor([elapsed * 1e3 / a.steps], dtype=torch.float64)
             dist.all_reduce(ms, op=dist.ReduceOp.MAX)
             times[c].append(ms.item())
     if a.dump:
@@ -243,6 +252,7 @@ def main(argv):
             json.dump({"implementation": "python", "ranks": size, "model": a.model,
                        "topology": a.topology, "optimizer": a.optimizer, "batch": a.batch,
                        "steps": a.steps, "rounds": a.rounds, "warmup": a.warmup,
+                       "round_warmup": a.round_warmup,
                        "threads": a.threads,
                        "parameters": sum(p.numel() for p in make_model(nn, a.model).parameters()),
                        "ms": times}, f, indent=2)
