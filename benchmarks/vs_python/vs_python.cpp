@@ -108,7 +108,7 @@ double slowest(double ms) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"decent_dp's side of the comparison with the Python decent-dp package"};
+  CLI::App app{"decent_dp's side of the comparison with the Python originals"};
   std::string model_name = "conv", topology = "complete", optimizer = "adamw", cases_arg;
   std::string json_path, dump;
   double lr = 1e-3, weight_decay = 0.01, momentum = 0.9, bucket_mb = 25;
