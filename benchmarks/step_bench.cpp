@@ -49,11 +49,14 @@
 
 #include <time.h>
 
+#include "benchmarks/bench_mpi.h"
 #include "benchmarks/bench_util.h"
 #include "decent_dp/decent_dp.h"
 #include "examples/common/models.h"
 
 namespace {
+
+using decent_dp::bench::slowest;
 
 using Clock = std::chrono::steady_clock;
 
@@ -155,12 +158,6 @@ double cpu_ms(clockid_t clock) {
   timespec ts{};
   clock_gettime(clock, &ts);
   return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) * 1e-6;
-}
-
-double slowest(double ms) {
-  double out = 0;
-  MPI_Allreduce(&ms, &out, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  return out;
 }
 
 double rank_mean(double ms) {

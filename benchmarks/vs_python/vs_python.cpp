@@ -38,10 +38,13 @@
 #include <map>
 #include <sstream>
 
+#include "benchmarks/bench_mpi.h"
 #include "benchmarks/bench_util.h"
 #include "decent_dp/decent_dp.h"
 
 namespace {
+
+using decent_dp::bench::slowest;
 
 using Clock = std::chrono::steady_clock;
 
@@ -97,12 +100,6 @@ void initialize(torch::nn::Module& model, int64_t seed) {
     const double scale = p.dim() >= 2 ? 1.0 / std::sqrt(static_cast<double>(p[0].numel())) : 0.1;
     p.copy_(at::randn(p.sizes(), gen).mul_(scale));
   }
-}
-
-double slowest(double ms) {
-  double out = 0;
-  MPI_Allreduce(&ms, &out, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  return out;
 }
 
 }  // namespace
@@ -192,26 +189,22 @@ int main(int argc, char** argv) {
     data.emplace_back(x, y);
   }
   decent_dp::optim::OptimFn optim_fn;
-  auto every = [](const std::string&, const at::Tensor&) { return true; };
+  // Every optimizer: the same learning rate, and weight decay on every parameter.
+  auto common = [&](auto o) {
+    o.lr = lr;
+    o.weight_decay = weight_decay;
+    o.decay = [](const std::string&, const at::Tensor&) { return true; };
+    return o;
+  };
   if (optimizer == "adamw") {
-    decent_dp::optim::AdamWFactoryOptions o;
-    o.lr = lr;
-    o.weight_decay = weight_decay;
-    o.decay = every;
-    optim_fn = decent_dp::optim::adamw(o);
+    optim_fn = decent_dp::optim::adamw(common(decent_dp::optim::AdamWFactoryOptions{}));
   } else if (optimizer == "accum-adamw") {
-    decent_dp::optim::AccumAdamWFactoryOptions o;
-    o.lr = lr;
-    o.weight_decay = weight_decay;
+    auto o = common(decent_dp::optim::AccumAdamWFactoryOptions{});
     o.accum_iter = accum_iter;
-    o.decay = every;
     optim_fn = decent_dp::optim::accum_adamw(o);
   } else {
-    decent_dp::optim::SgdFactoryOptions o;
-    o.lr = lr;
+    auto o = common(decent_dp::optim::SgdFactoryOptions{});
     o.momentum = momentum;
-    o.weight_decay = weight_decay;
-    o.decay = every;
     optim_fn = decent_dp::optim::sgd(o);
   }
   // The package's lr_scheduler_fn_cosine_with_warmup with its defaults (eta_min 1e-6, warmup

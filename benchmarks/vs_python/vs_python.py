@@ -213,7 +213,7 @@ def main(argv):
 
         cases["gossip"] = (gossip_step, gossip_finish, net)
 
-    order = [c for c in a.cases]
+    order = a.cases
     counters = {c: 0 for c in order}
 
     def run(case, n):
