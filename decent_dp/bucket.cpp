@@ -149,15 +149,30 @@ std::string describe_bucket(size_t index, const BucketSpec& spec,
   return os.str();
 }
 
+MixKind mix_kind(double coefficient) {
+  if (std::abs(coefficient - 1.0) <= 1e-12) {
+    return MixKind::kTarget;
+  }
+  return coefficient == 0.0 ? MixKind::kKeep : MixKind::kLerp;
+}
+
+double group_mean_coefficient(const topology::Group& group, double adaptive_factor) {
+  const double k = group.size();
+  return k > 1 ? adaptive_factor * ((1 - group.self_weight) * k / (k - 1)) : 0.0;
+}
+
 void mix_group_mean(BucketStorage& storage, const std::vector<at::Tensor>& rebind,
                     const topology::Group& group, double adaptive_factor) {
-  const double k = group.size();
-  const double mean_coef = k > 1 ? (1 - group.self_weight) * k / (k - 1) : 0.0;
-  const double coef = adaptive_factor * mean_coef;
-  if (std::abs(coef - 1.0) <= 1e-12) {
-    swap_param_and_comm_blocks(storage, rebind);
-  } else if (coef != 0.0) {
-    storage.params.lerp_(storage.comm, coef);
+  const double coef = group_mean_coefficient(group, adaptive_factor);
+  switch (mix_kind(coef)) {
+    case MixKind::kTarget:
+      swap_param_and_comm_blocks(storage, rebind);
+      break;
+    case MixKind::kLerp:
+      storage.params.lerp_(storage.comm, coef);
+      break;
+    case MixKind::kKeep:
+      break;
   }
 }
 

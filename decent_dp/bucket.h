@@ -95,6 +95,14 @@ BucketStorage make_bucket_storage(const BucketSpec& spec, const std::vector<at::
 // `rebind` (the module's parameters, an optimizer's references) follow; gradients stay.
 void swap_param_and_comm_blocks(BucketStorage& storage, const std::vector<at::Tensor>& rebind);
 
+// Every mixing is one step x <- x + c (target - x): with c within 1e-12 of 1, x becomes the
+// target exactly (kTarget); with c = 0 it stays (kKeep); otherwise one lerp (kLerp).
+enum class MixKind { kKeep, kTarget, kLerp };
+MixKind mix_kind(double coefficient);
+
+// The coefficient c of mix_group_mean (below): a (1 - w) k / (k - 1), 0 for k = 1.
+double group_mean_coefficient(const topology::Group& group, double adaptive_factor);
+
 // Applies a finished gossip exchange (spec §2): the communication block holds the mean A of
 // the k members of `group`, the parameter block this rank's x. With self weight w,
 // mix(x) = w x + (1-w)/(k-1) (k A - x), and x <- (1-a) x + a mix(x), which is one pass

@@ -223,6 +223,7 @@ void BucketSet::attach_optimizers(const optim::OptimFn& optim_fn,
                           bucket.names[k], "' (bucket ", b, "); expected each of its ",
                           bucket.optimizer_params.size(), " parameters exactly once");
     }
+    bucket.pre_mixing = dynamic_cast<PreMixingHook*>(bucket.optimizer.get());
     if (scheduler_fn) {
       bucket.scheduler = scheduler_fn(*bucket.optimizer);
       DECENT_DP_CHECK_ARG(bucket.scheduler != nullptr,

@@ -15,6 +15,7 @@
 
 #include "decent_dp/bucket.h"
 #include "decent_dp/optim/factories.h"
+#include "decent_dp/pre_mixing.h"
 #include "decent_dp/topology/topology.h"
 #include "decent_dp/work.h"
 
@@ -38,6 +39,8 @@ struct Bucket {
   std::unique_ptr<torch::optim::Optimizer>
       optimizer;  // null when the caller steps (optimizer wrapper)
   std::unique_ptr<torch::optim::LRScheduler> scheduler;
+  // The optimizer's pre-mixing hook when it has one (Note [pre-mixing hook]), else null.
+  PreMixingHook* pre_mixing = nullptr;
   std::shared_ptr<Work> work;              // exchange in flight (or done, not yet applied)
   const topology::Group* group = nullptr;  // the group of that exchange (gossip)
   int64_t exchange_update = 0;             // the update that launched it

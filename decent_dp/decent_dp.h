@@ -12,6 +12,7 @@
 #include "decent_dp/optim/factories.h"
 #include "decent_dp/optim/schedulers.h"
 #include "decent_dp/optim/sgd.h"
+#include "decent_dp/pre_mixing.h"
 #include "decent_dp/privacy.h"
 #include "decent_dp/quantize_codec.h"
 #include "decent_dp/stream_codec.h"

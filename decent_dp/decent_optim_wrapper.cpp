@@ -94,6 +94,7 @@ DecentOptimWrapper::DecentOptimWrapper(std::shared_ptr<torch::optim::Optimizer> 
   buckets_.build(order, params, names, *binding_, o);
   std::vector<at::Tensor> blocks;
   for (Bucket& b : buckets_) {
+    b.pre_mixing = dynamic_cast<PreMixingHook*>(inner_.get());  // Note [pre-mixing hook]
     blocks.push_back(b.storage.params);
   }
   broadcast_from_rank0(*data_, blocks);

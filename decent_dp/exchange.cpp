@@ -165,9 +165,32 @@ void GossipExchange::apply(Bucket& bucket, int64_t update) {
     apply_gather(bucket, update);
   } else {
     // The communication block holds the group mean (Note [block swap]).
+    if (bucket.pre_mixing) {
+      call_pre_mixing(bucket, update, bucket.storage.comm, bucket.storage.comm_views,
+                      group_mean_coefficient(*bucket.group, adaptive_factor_), {});
+    }
     mix_group_mean(bucket.storage, bucket.optimizer_params, *bucket.group, adaptive_factor_);
   }
   bucket.work.reset();
+}
+
+void GossipExchange::call_pre_mixing(Bucket& bucket, int64_t update, const at::Tensor& received,
+                                     std::vector<at::Tensor> received_views, double coefficient,
+                                     const at::Tensor& rows) {
+  MixingContext context;
+  context.bucket = bucket.index;
+  context.update = update;
+  context.rank = comm_->rank();
+  context.group = bucket.group;
+  context.adaptive_factor = adaptive_factor_;
+  context.coefficient = coefficient;
+  context.params = bucket.storage.params;
+  context.received = received;
+  context.rows = rows;
+  context.tensors = &bucket.optimizer_params;
+  context.received_views =
+      received_views.empty() ? context.views(received) : std::move(received_views);
+  bucket.pre_mixing->pre_mixing(context);
 }
 
 void GossipExchange::wait(Bucket& bucket) {
@@ -319,7 +342,7 @@ void GossipExchange::count_arrivals(Bucket& bucket) {
   metrics().count("exchange.bytes_received", got);
 }
 
-void GossipExchange::apply_gather(Bucket& bucket, int64_t /*update*/) {
+void GossipExchange::apply_gather(Bucket& bucket, int64_t update) {
   auto& state = static_cast<GatherState&>(*bucket.exchange_state);
   const topology::Group& group = *bucket.group;
   const int64_t k = group.size();
@@ -359,10 +382,18 @@ void GossipExchange::apply_gather(Bucket& bucket, int64_t /*update*/) {
     Metrics::Scope timed(&metrics(), "exchange.aggregate");
     stages_.aggregator->aggregate(rows, self, group, state.mixed);
   }
-  if (adaptive_factor_ == 1.0) {
-    x.copy_(state.mixed);
-  } else if (adaptive_factor_ != 0.0) {
-    x.lerp_(state.mixed, adaptive_factor_);
+  if (bucket.pre_mixing) {
+    call_pre_mixing(bucket, update, state.mixed, {}, adaptive_factor_, rows);
+  }
+  switch (mix_kind(adaptive_factor_)) {
+    case MixKind::kTarget:
+      x.copy_(state.mixed);
+      break;
+    case MixKind::kLerp:
+      x.lerp_(state.mixed, adaptive_factor_);
+      break;
+    case MixKind::kKeep:
+      break;
   }
   zero_padding(bucket.spec, bucket.storage, x);  // Note [block padding]
 }

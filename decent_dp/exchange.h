@@ -103,6 +103,11 @@ class GossipExchange final : public Exchange {
 
  private:
   void launch_gather(Bucket& bucket, const topology::Group& group, int64_t update);
+  // Calls the bucket's pre-mixing hook, if any (Note [pre-mixing hook]): mixing will set
+  // x <- x + coefficient (received - x); `received_views` may be empty (then made here).
+  void call_pre_mixing(Bucket& bucket, int64_t update, const at::Tensor& received,
+                       std::vector<at::Tensor> received_views, double coefficient,
+                       const at::Tensor& rows);
   void apply_gather(Bucket& bucket, int64_t update);
   // After a varying all-gather completes: counts the bytes the other members sent.
   void count_arrivals(Bucket& bucket);

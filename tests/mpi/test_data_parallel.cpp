@@ -13,6 +13,7 @@
 #include "decent_dp/stream_codec.h"
 #include "examples/common/models.h"
 #include "mpi_test_util.h"
+#include "observing_sgd.h"
 #include "simulator.h"
 
 using namespace decent_dp;
@@ -674,6 +675,72 @@ TEST_CASE("the gather exchange with the mean aggregator trains as the all-reduce
       }
       check_matches(*gathered, *fast, 1e-5);
     }
+  }
+}
+
+TEST_CASE("an optimizer's pre-mixing hook sees each exchange just before mixing, and only reads",
+          "[ddp][premix]") {
+  const int n = comm().size();
+  const std::string name = n % 2 == 0 ? "ring" : "complete";
+  const int steps = 6;
+  struct Case {
+    const char* what;
+    double a;
+    bool gather, view;
+  };
+  for (const Case& c : {Case{"all-reduce path, blocks trade roles", 1.0, false, true},
+                        Case{"all-reduce path, lerp", 0.5, false, true},
+                        Case{"all-reduce path, copy binding", 0.5, false, false},
+                        Case{"gather path, mean aggregator", 1.0, true, true},
+                        Case{"gather path, lerp", 0.25, true, false}}) {
+    INFO("rank " << comm().rank() << " " << c.what);
+    auto o = small_buckets(name, 1);
+    o.param_as_bucket_view = c.view;
+    if (c.gather)
+      o.aggregator = std::make_shared<MeanAggregator>();
+    std::vector<testing::ObservingSgd*> observers;
+    const OptimFn observing = [&observers](const optim::NamedParams& named) {
+      std::vector<at::Tensor> params;
+      for (const auto& p : named)
+        params.push_back(p.second);
+      auto opt = std::make_unique<testing::ObservingSgd>(params, 0.05);
+      observers.push_back(opt.get());
+      return std::unique_ptr<torch::optim::Optimizer>(std::move(opt));
+    };
+    auto train = [&](const OptimFn& factory) {
+      auto net = make_mlp();
+      DecentralizedDataParallel<torch::nn::Sequential> model(net, o, factory, nullptr,
+                                                             shared_comm());
+      model.set_adaptive_factor(c.a);
+      for (int step = 0; step < steps; ++step) {
+        auto b = batch_for(false, comm().rank(), step);
+        torch::mse_loss(model.forward(b.x), b.y).backward();
+      }
+      model.synchronize();
+      if (!observers.empty()) {
+        REQUIRE(observers.size() == model.bucket_count());
+        REQUIRE(model.bucket_count() > 1);
+        std::vector<testing::ObservingSgd::Seen> seen;
+        for (auto* opt : observers)
+          seen.insert(seen.end(), opt->seen.begin(), opt->seen.end());
+        testing::check_observations(seen, model.topology(), model.bucket_count(), steps, c.a,
+                                    c.gather);
+      }
+      return net;
+    };
+    auto observed = train(observing);
+    observers.clear();
+    auto plain = train([](const optim::NamedParams& named) {
+      std::vector<at::Tensor> params;
+      for (const auto& p : named)
+        params.push_back(p.second);
+      return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05));
+    });
+    // The hook only read: the same parameters as the same SGD without it, bit for bit.
+    auto p1 = observed->parameters();
+    auto p2 = plain->parameters();
+    for (size_t k = 0; k < p1.size(); ++k)
+      CHECK(torch::equal(p1[k], p2[k]));
   }
 }
 

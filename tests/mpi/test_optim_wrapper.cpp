@@ -5,6 +5,7 @@
 #include "decent_dp/decent_optim_wrapper.h"
 #include "decent_dp/decentralized_data_parallel.h"
 #include "mpi_test_util.h"
+#include "observing_sgd.h"
 
 using namespace decent_dp;
 using decent_dp::testing::comm;
@@ -191,6 +192,42 @@ TEST_CASE("both gossip APIs train identically", "[wrapper]") {
       INFO("parameter " << k);
       CHECK(relative_error(pa[k], pb[k]) <= 1e-5);
     }
+  }
+}
+
+TEST_CASE("the wrapped optimizer's pre-mixing hook is called in every bucket before mixing",
+          "[wrapper][premix]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  const int steps = 6;
+  // The weighted topology's self weights are not 1/k, so mixing lerps.
+  for (const std::string& name : {std::string("complete"), weighted_topology()}) {
+    INFO("rank " << rank << " topology " << name);
+    auto net = make_net();
+    auto inner = std::make_shared<testing::ObservingSgd>(net->parameters(), 0.05);
+    DecentOptimWrapper opt(inner, rank, n, 1, name, 1e-4, shared_comm());
+    for (int step = 0; step < steps; ++step) {
+      opt.zero_grad();
+      loss_on(net, rank, step).backward();
+      opt.step();
+    }
+    REQUIRE(opt.bucket_count() > 1);
+    testing::check_observations(inner->seen, opt.topology(), opt.bucket_count(), steps, 1.0,
+                                /*gather=*/false);
+    // The hook only read: the same parameters as the same SGD without it, bit for bit.
+    auto plain_net = make_net();
+    DecentOptimWrapper plain(std::make_shared<torch::optim::SGD>(plain_net->parameters(),
+                                                                 torch::optim::SGDOptions(0.05)),
+                             rank, n, 1, name, 1e-4, shared_comm());
+    for (int step = 0; step < steps; ++step) {
+      plain.zero_grad();
+      loss_on(plain_net, rank, step).backward();
+      plain.step();
+    }
+    auto p1 = net->parameters();
+    auto p2 = plain_net->parameters();
+    for (size_t k = 0; k < p1.size(); ++k)
+      CHECK(torch::equal(p1[k], p2[k]));
   }
 }
 
