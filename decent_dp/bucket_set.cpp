@@ -1,5 +1,9 @@
 #include "decent_dp/bucket_set.h"
 
+#include <ATen/ops/_foreach_mul.h>
+#include <ATen/ops/_foreach_norm.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros_like.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
@@ -28,20 +32,30 @@ void bind_grad(at::Tensor& p, const at::Tensor& view, bool zero_if_missing) {
 
 class ViewBinding final : public ParamBinding {
  public:
+  explicit ViewBinding(bool grads_in_block) : grads_in_block_(grads_in_block) {}
   bool as_view() const override { return true; }
+  bool grads_in_block() const override { return grads_in_block_; }
   std::vector<at::Tensor> make_optimizer_params(Bucket& bucket) const override {
     return bucket.params;
   }
   void on_grad_ready(Bucket& bucket, size_t k) const override {
-    // The gradient must live in the bucket's gradient block; an optimizer's or module's
-    // zero_grad(set_to_none) makes autograd allocate a fresh one: move it in.
-    bind_grad(bucket.params[k], bucket.storage.grad_views[k], /*zero_if_missing=*/false);
+    // In the block, the gradient must live in its view; an optimizer's or module's
+    // zero_grad(set_to_none) makes autograd allocate a fresh one: move it in. Otherwise it
+    // stays where it is (Note [gradients in place]).
+    if (grads_in_block_) {
+      bind_grad(bucket.params[k], bucket.storage.grad_views[k], /*zero_if_missing=*/false);
+    }
   }
   void before_update(Bucket& bucket) const override {
     // A gradient accumulated without this backward (no_sync) moves in; one that did not
     // arrive counts as zero.
     for (size_t k = 0; k < bucket.params.size(); ++k) {
-      bind_grad(bucket.params[k], bucket.storage.grad_views[k], /*zero_if_missing=*/true);
+      at::Tensor& p = bucket.params[k];
+      if (grads_in_block_) {
+        bind_grad(p, bucket.storage.grad_views[k], /*zero_if_missing=*/true);
+      } else if (!p.grad().defined()) {
+        p.mutable_grad() = at::zeros_like(p, at::MemoryFormat::Preserve);
+      }
     }
   }
   void after_update(Bucket& bucket) const override {
@@ -56,11 +70,15 @@ class ViewBinding final : public ParamBinding {
   void discard_grads(Bucket& bucket) const override { after_update(bucket); }
   void load_block(Bucket& /*bucket*/) const override {}
   void store_block(Bucket& /*bucket*/) const override {}
+
+ private:
+  bool grads_in_block_;
 };
 
 class CopyBinding final : public ParamBinding {
  public:
   bool as_view() const override { return false; }
+  bool grads_in_block() const override { return true; }
   std::vector<at::Tensor> make_optimizer_params(Bucket& bucket) const override {
     std::vector<at::Tensor> shadows;
     for (size_t k = 0; k < bucket.params.size(); ++k) {
@@ -135,10 +153,12 @@ void order_within(BucketSpec& spec, const std::vector<at::Tensor>& params,
 
 }  // namespace
 
-std::unique_ptr<ParamBinding> make_param_binding(bool as_view) {
+std::unique_ptr<ParamBinding> make_param_binding(bool as_view, bool grads_in_block) {
   if (as_view) {
-    return std::make_unique<ViewBinding>();
+    return std::make_unique<ViewBinding>(grads_in_block);
   }
+  DECENT_DP_CHECK_ARG(grads_in_block,
+                      "make_param_binding: the copy binding keeps the gradients in the block");
   return std::make_unique<CopyBinding>();
 }
 
@@ -252,24 +272,33 @@ std::vector<size_t> BucketSet::sizes() const {
 
 void update_bucket(Bucket& bucket, const ParamBinding& binding, double grad_clip_norm) {
   if (grad_clip_norm > 0) {
-    at::Tensor& grads = bucket.storage.grads;
-    if (grads.is_cpu()) {
-      const double norm = grads.norm().item<double>();
-      const double coef = grad_clip_norm / (norm + 1e-6);
+    // The bucket's gradient norm: of the block, or (Note [gradients in place]) of the
+    // tensors' norms, as torch's clip_grad_norm_ takes it.
+    std::vector<at::Tensor> grads;
+    at::Tensor norm;
+    if (binding.grads_in_block()) {
+      grads.push_back(bucket.storage.grads);
+      norm = bucket.storage.grads.norm();
+    } else {
+      for (const at::Tensor& p : bucket.params) {
+        grads.push_back(p.grad());
+      }
+      norm = at::stack(at::_foreach_norm(grads, 2)).norm();
+    }
+    if (norm.is_cpu()) {
+      const double coef = grad_clip_norm / (norm.item<double>() + 1e-6);
       if (coef < 1.0) {
-        grads.mul_(coef);
+        at::_foreach_mul_(grads, coef);
       }
     } else {
       // On a GPU the coefficient stays on the device (no host sync per bucket): the same
       // min(1, c / (norm + 1e-6)), computed in double as on the CPU; a factor of exactly 1
       // leaves the gradients unchanged.
-      const at::Tensor coef = grads.norm()
-                                  .to(at::kDouble)
-                                  .add_(1e-6)
-                                  .reciprocal_()
-                                  .mul_(grad_clip_norm)
-                                  .clamp_max_(1.0);
-      grads.mul_(coef);
+      const at::Tensor coef =
+          norm.to(at::kDouble).add_(1e-6).reciprocal_().mul_(grad_clip_norm).clamp_max_(1.0);
+      for (at::Tensor& g : grads) {
+        g.mul_(coef);
+      }
     }
   }
   bucket.optimizer->step();

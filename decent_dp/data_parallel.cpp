@@ -89,7 +89,12 @@ DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
   check_same_model(*control_, items);
   broadcast_from_rank0(*data_, state);
 
-  binding_ = make_param_binding(options_.param_as_bucket_view);
+  // Note [gradients in place]: only the all-reduce and the Gaussian mechanism need the
+  // gradients in one block.
+  binding_ =
+      make_param_binding(options_.param_as_bucket_view, !options_.param_as_bucket_view ||
+                                                            mode_ == ExchangeMode::kAllReduce ||
+                                                            options_.privacy.enabled());
   if (mode_ == ExchangeMode::kGossip) {
     data_->make_groups(topology_->distinct_groups());
     auto gossip = std::make_unique<GossipExchange>(
@@ -197,7 +202,7 @@ void DataParallelCore::build_buckets() {
   }
   BucketSetOptions o;
   o.bucket_cap_mb = options_.bucket_cap_mb;
-  o.bind_grads = true;
+  o.bind_grads = binding_->grads_in_block();
   o.layout_key = options_.bucket_layout_key;
   Communicator* data = data_.get();
   o.allocate = [data](int64_t numel, const at::TensorOptions& t) {

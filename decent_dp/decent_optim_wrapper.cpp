@@ -83,10 +83,11 @@ DecentOptimWrapper::DecentOptimWrapper(std::shared_ptr<torch::optim::Optimizer> 
   data_ = communicator_for_device(params[0].device(), control_);
   check_same_model(*control_, items);
   at::NoGradGuard no_grad;
-  binding_ = make_param_binding(/*as_view=*/true);
+  // The inner optimizer steps the gradients where they are (Note [gradients in place]).
+  binding_ = make_param_binding(/*as_view=*/true, /*grads_in_block=*/false);
   BucketSetOptions o;
   o.bucket_cap_mb = bucket_cap_mb;
-  o.bind_grads = false;
+  o.bind_grads = binding_->grads_in_block();
   Communicator* data = data_.get();
   o.allocate = [data](int64_t numel, const at::TensorOptions& t) {
     return data->allocate(numel, t);

@@ -210,8 +210,11 @@ void AdamFamily<Options, kVariant>::step_group(const Options& o,
     states.push_back(&state_of(p));
   }
 
+  at::Tensor shared_step;  // the fused kernels' step for the views of a flat group
+  int64_t shared_t = -1;   // its value
   if (flat != nullptr) {
-    // Note [flat parameter groups]: one pass over the block; per-parameter state is views.
+    // Note [flat parameter groups]: per-parameter state is views into flat blocks; with
+    // flat gradients one pass over the block.
     ++last_flat_groups_;
     std::vector<std::vector<at::Tensor*>> slots(kAccum ? 3 : 2);
     for (auto* s : states) {
@@ -224,27 +227,31 @@ void AdamFamily<Options, kVariant>::step_group(const Options& o,
     flat->blocks.resize(slots.size());
     bind_flat_state(flat->layout, params, flat->blocks, slots);
     const int64_t t = states[0]->step() + 1;
-    for (auto* s : states) {
-      s->step(t);
-    }
     const FlatLayout& l = flat->layout;
-    if constexpr (kAccum) {
-      accum_step.step = t;
-      accum_adam_step(l.params, l.grads, flat->blocks[0], flat->blocks[1], flat->blocks[2],
-                      accum_step);
-    } else {
-      if (fused_kernel_supports(l.params, l.grads)) {
-        if (!flat->step.defined()) {
-          flat->step = at::full({}, 0.0, l.params.options().dtype(at::kFloat));
-        }
-        flat->step.fill_(static_cast<double>(t));
+    if (!flat->step.defined()) {
+      flat->step = at::full({}, 0.0, l.params.options().dtype(at::kFloat));
+    }
+    flat->step.fill_(static_cast<double>(t));
+    if (l.grads.defined()) {
+      for (auto* s : states) {
+        s->step(t);
+      }
+      if constexpr (kAccum) {
+        accum_step.step = t;
+        accum_adam_step(l.params, l.grads, flat->blocks[0], flat->blocks[1], flat->blocks[2],
+                        accum_step);
+      } else if (fused_kernel_supports(l.params, l.grads)) {
         fused({l.params}, {l.grads}, {flat->blocks[0]}, {flat->blocks[1]}, {flat->step});
       } else {
         adam_composite(l.params, l.grads, flat->blocks[0], flat->blocks[1], t, o.lr(), b1, b2,
                        o.weight_decay(), o.eps(), kDecoupled);
       }
+      return;
     }
-    return;
+    // Gradients where autograd put them (Note [gradients in place]): the loop below steps
+    // the parameter and state views with them, one fused call for the group.
+    shared_step = flat->step;
+    shared_t = t;
   }
 
   // Tensor by tensor.
@@ -269,7 +276,9 @@ void AdamFamily<Options, kVariant>::step_group(const Options& o,
       fg.push_back(grads[i]);
       fm.push_back(s.exp_avg());
       fv.push_back(s.exp_avg_sq());
-      fs.push_back(at::full({}, static_cast<double>(t), p.options().dtype(at::kFloat)));
+      fs.push_back(t == shared_t
+                       ? shared_step
+                       : at::full({}, static_cast<double>(t), p.options().dtype(at::kFloat)));
     } else {
       adam_composite(p, grads[i], s.exp_avg(), s.exp_avg_sq(), t, o.lr(), b1, b2, o.weight_decay(),
                      o.eps(), kDecoupled);

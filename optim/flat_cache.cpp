@@ -13,25 +13,29 @@ FlatCache::Entry* FlatCache::lookup(size_t group, const std::vector<at::Tensor>&
   Cached& c = entries_[group];
   bool same = c.param_ptrs.size() == params.size() && !c.param_ptrs.empty();
   for (size_t i = 0; same && i < params.size(); ++i) {
-    same = c.param_ptrs[i] == params[i].data_ptr() && c.grad_ptrs[i] == grads[i].data_ptr();
+    same = c.param_ptrs[i] == params[i].data_ptr() && c.impls[i] == params[i].unsafeGetTensorImpl();
   }
   if (same) {
+    if (!c.flat) {
+      return nullptr;
+    }
     c.entry.fresh = false;
-    return c.flat ? &c.entry : nullptr;
+    c.entry.layout.grads = detect_flat_grads(c.entry.layout, params, grads);
+    return &c.entry;
   }
   Cached previous = std::move(c);
   c = Cached();
   for (size_t i = 0; i < params.size(); ++i) {
     c.param_ptrs.push_back(params[i].data_ptr());
-    c.grad_ptrs.push_back(grads[i].data_ptr());
     c.impls.push_back(params[i].unsafeGetTensorImpl());
   }
-  auto layout = detect_flat_layout(params, grads);
+  auto layout = detect_flat_params(params);
   if (!layout) {
     return nullptr;
   }
   c.flat = true;
   c.entry.layout = std::move(*layout);
+  c.entry.layout.grads = detect_flat_grads(c.entry.layout, params, grads);
   const FlatLayout& before = previous.entry.layout;
   const FlatLayout& now = c.entry.layout;
   if (previous.flat && previous.impls == c.impls && before.offsets == now.offsets &&

@@ -1,5 +1,6 @@
-// Per-group cache of flat layouts (Note [flat parameter groups]): detection runs again only
-// when a group's parameter or gradient tensors change.
+// Per-group cache of flat layouts (Note [flat parameter groups]): the parameters' detection
+// runs again only when a group's parameter tensors change; the gradients' at every lookup
+// (a pointer comparison per tensor).
 #pragma once
 
 #include <functional>
@@ -20,7 +21,8 @@ class FlatCache {
     bool fresh = true;               // created by the last lookup
   };
 
-  // The flat entry of group `group` for these tensors, or null when they are not flat.
+  // The flat entry of group `group` for these tensors, or null when the parameters are not
+  // flat; its layout's grads are undefined when the gradients are not.
   Entry* lookup(size_t group, const std::vector<at::Tensor>& params,
                 const std::vector<at::Tensor>& grads);
   void clear() { entries_.clear(); }
@@ -28,7 +30,6 @@ class FlatCache {
  private:
   struct Cached {
     std::vector<const void*> param_ptrs;
-    std::vector<const void*> grad_ptrs;
     std::vector<const c10::TensorImpl*> impls;  // the parameters themselves
     bool flat = false;
     Entry entry;

@@ -5,12 +5,15 @@
 // keeps its state (moments, accumulators, momentum) as flat blocks of the same layout, the
 // per-parameter state being views into them.
 //
-// A group is flat when every parameter (and its gradient) is a dense, non-overlapping view
-// of one storage (one for parameters, one for gradients), gradient i sits at the same offset
-// relative to the gradient block as parameter i relative to the parameter block, and the
-// views are separated only by alignment padding (fewer than kMaxFlatGap elements). Padding
-// is stepped along with the parameters: it must hold zeros in both blocks, which keeps it at
-// zero under every optimizer here.
+// A group is flat when every parameter is a dense, non-overlapping view of one storage and
+// the views are separated only by alignment padding (fewer than kMaxFlatGap elements); its
+// state blocks then share that layout. Its gradients are flat too when each is laid out
+// like its parameter in one other storage, at the same offset relative to the gradient
+// block: then one pass steps the whole block, padding included (it must hold zeros in both
+// blocks, which keeps it at zero under every optimizer here). Otherwise (gradients that
+// autograd allocated per tensor: DecentralizedDataParallel leaves them where they are,
+// Note [gradients in place]) one fused call steps the list of parameter and state views
+// with the gradients as they are: no gradient is copied.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,13 +28,17 @@ constexpr int64_t kMaxFlatGap = 32;
 
 struct FlatLayout {
   at::Tensor params;             // 1-D view over the parameter block
-  at::Tensor grads;              // 1-D view over the gradient block
+  at::Tensor grads;              // 1-D view over the gradient block; undefined: not flat
   std::vector<int64_t> offsets;  // parameter i starts at params[offsets[i]]
 };
 
-// The flat layout of `params` / `grads` (same length, grads defined), or nullopt.
-std::optional<FlatLayout> detect_flat_layout(const std::vector<at::Tensor>& params,
-                                             const std::vector<at::Tensor>& grads);
+// The flat layout of `params` (grads undefined), or nullopt.
+std::optional<FlatLayout> detect_flat_params(const std::vector<at::Tensor>& params);
+
+// The 1-D view over the gradient block when `grads` (one per parameter, defined) are laid
+// out like the parameters of `layout`; undefined otherwise.
+at::Tensor detect_flat_grads(const FlatLayout& layout, const std::vector<at::Tensor>& params,
+                             const std::vector<at::Tensor>& grads);
 
 // A view of `block` shaped and strided like `like`, starting at element `offset`.
 at::Tensor view_like(const at::Tensor& block, const at::Tensor& like, int64_t offset);

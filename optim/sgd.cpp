@@ -124,6 +124,33 @@ at::Tensor SGD::step(LossClosure closure) {
         flat->blocks.resize(1);
         bind_flat_state(l, params, flat->blocks, slots);
       }
+      if (!l.grads.defined()) {
+        // Gradients where autograd put them (Note [gradients in place]): the parameter and
+        // momentum views with them, one fused call for the group.
+        std::vector<at::Tensor> bufs;
+        bool fused_ok = true;
+        for (size_t i = 0; i < params.size(); ++i) {
+          const at::Tensor buf = momentum ? states[i]->momentum_buffer() : at::Tensor();
+          fused_ok = fused_ok && fused_kernel_supports(params[i], grads[i], buf);
+          if (momentum) {
+            bufs.push_back(buf);
+          }
+        }
+        if (fused_ok) {
+          at::_fused_sgd_(params, grads, bufs, o.weight_decay(), o.momentum(), o.lr(),
+                          o.dampening(), o.nesterov(), /*maximize=*/false, first);
+        } else {
+          for (size_t i = 0; i < params.size(); ++i) {
+            const at::Tensor& buf = momentum ? states[i]->momentum_buffer() : at::Tensor();
+            const at::Tensor next =
+                sgd_composite(params[i], grads[i], first ? at::Tensor() : buf, o);
+            if (momentum && first) {
+              buf.copy_(next);
+            }
+          }
+        }
+        continue;
+      }
       if (fused_kernel_supports(l.params, l.grads, momentum ? flat->blocks[0] : at::Tensor())) {
         at::_fused_sgd_({l.params}, {l.grads},
                         momentum ? at::TensorList(flat->blocks) : at::TensorList(),

@@ -1193,6 +1193,73 @@ TEST_CASE("an exception after a bucket's update is raised again on the next use"
   CHECK_THROWS_WITH(model.global_avg(), Catch::Contains("an earlier backward failed"));
 }
 
+TEST_CASE("gradients stay where autograd put them unless the exchange needs them in a block",
+          "[ddp][flat]") {
+  // Note [gradients in place]: gossip with the view binding steps the gradients as they are;
+  // the all-reduce, the copy binding and the Gaussian mechanism bind them to one block.
+  class GradPlacement final : public torch::optim::SGD {
+   public:
+    using torch::optim::SGD::SGD;
+    at::Tensor step(LossClosure closure = nullptr) override {
+      const auto& params = param_groups()[0].params();
+      bool one = true;
+      for (const auto& p : params) {
+        one =
+            one && p.grad().defined() && p.grad().storage().is_alias_of(params[0].grad().storage());
+      }
+      (one ? in_block : apart) += 1;
+      return torch::optim::SGD::step(closure);
+    }
+    int in_block = 0, apart = 0;
+  };
+  struct Case {
+    const char* what;
+    bool gossip, view, privacy, expect_block;
+  };
+  for (const Case& c : {Case{"gossip, view binding", true, true, false, false},
+                        Case{"gossip, copy binding", true, false, false, true},
+                        Case{"gossip, Gaussian mechanism", true, true, true, true},
+                        Case{"all-reduce", false, true, false, true}}) {
+    INFO("rank " << comm().rank() << " " << c.what);
+    auto o = small_buckets("complete", 1);
+    o.bucket_cap_mb = 25;  // one bucket: its parameters' gradients in one block or not
+    o.param_as_bucket_view = c.view;
+    if (c.privacy) {
+      o.privacy.clip_norm = 1.0;
+      o.privacy.noise_multiplier = 0.0;
+    }
+    GradPlacement* opt = nullptr;
+    const OptimFn factory = [&opt](const optim::NamedParams& named) {
+      std::vector<at::Tensor> params;
+      for (const auto& p : named)
+        params.push_back(p.second);
+      auto made = std::make_unique<GradPlacement>(params, torch::optim::SGDOptions(0.05));
+      opt = made.get();
+      return std::unique_ptr<torch::optim::Optimizer>(std::move(made));
+    };
+    auto net = make_mlp();
+    auto train = [&](auto& model) {
+      for (int step = 0; step < 4; ++step) {
+        auto b = batch_for(false, comm().rank(), step);
+        torch::mse_loss(model.forward(b.x), b.y).backward();
+      }
+      model.synchronize();
+      REQUIRE(model.bucket_count() == 1);
+    };
+    if (c.gossip) {
+      DecentralizedDataParallel<torch::nn::Sequential> model(net, o, factory, nullptr,
+                                                             shared_comm());
+      train(model);
+    } else {
+      DistributedDataParallel<torch::nn::Sequential> model(net, o, factory, nullptr, shared_comm());
+      train(model);
+    }
+    REQUIRE(opt != nullptr);
+    CHECK(opt->in_block == (c.expect_block ? 4 : 0));
+    CHECK(opt->apart == (c.expect_block ? 0 : 4));
+  }
+}
+
 TEST_CASE("the library's factories step each bucket flat: weights and biases in two runs",
           "[ddp][flat]") {
   // Conv, norm and linear layers interleave decayed and undecayed parameters in
