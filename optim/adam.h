@@ -2,9 +2,9 @@
 //
 // Each derives from torch::optim::Optimizer, so parameter groups, learning-rate changes by
 // schedulers and state serialization work the LibTorch way. A parameter group whose
-// parameters and gradients are views of two flat blocks is stepped in one pass over the
-// blocks (Note [flat parameter groups] in optim/flat_layout.h); other groups are stepped
-// tensor by tensor. Adam and AdamW run ATen's fused kernels (at::_fused_adam_,
+// parameters are views of one flat block keeps flat state blocks and is stepped in one pass
+// (gradients in a block of the same layout) or one fused call over the views (Note [flat
+// parameter groups] in optim/flat_layout.h); other groups are stepped tensor by tensor. Adam and AdamW run ATen's fused kernels (at::_fused_adam_,
 // at::_fused_adamw_) on CPU and CUDA; AccumAdam(W) runs its own single-pass CPU kernel.
 #pragma once
 

@@ -1,9 +1,9 @@
 // Note [flat parameter groups]
-// DecentralizedDataParallel keeps each bucket's parameters as views into one flat block and
-// their gradients as views into another, with the same layout (spec §4). An optimizer that
-// sees such a group steps the whole block in one pass instead of looping over tensors, and
-// keeps its state (moments, accumulators, momentum) as flat blocks of the same layout, the
-// per-parameter state being views into them.
+// The wrappers keep each bucket's parameters as views into one flat block (spec §4), and
+// DistributedDataParallel their gradients as views into another with the same layout. An
+// optimizer that sees such a group keeps its state (moments, accumulators, momentum) as flat
+// blocks of the same layout, the per-parameter state being views into them, so the state
+// follows the parameters through Note [block swap].
 //
 // A group is flat when every parameter is a dense, non-overlapping view of one storage and
 // the views are separated only by alignment padding (fewer than kMaxFlatGap elements); its
