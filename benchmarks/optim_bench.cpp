@@ -1,6 +1,7 @@
 // optim_bench: time per optimizer step over a ResNet-50-shaped parameter set (25.6 M
 // parameters in 161 tensors): decent_dp's optimizers on flat buckets (one parameter block,
-// one gradient block, as DecentralizedDataParallel lays them out) against torch::optim's
+// and one gradient block as DistributedDataParallel lays them out or gradients apart as
+// DecentralizedDataParallel leaves them) against torch::optim's
 // per-parameter loops, with the memory bandwidth each achieves next to that of a plain
 // large-tensor copy measured in the same run.
 //
@@ -71,11 +72,16 @@ std::vector<std::vector<int64_t>> resnet50_shapes() {
 }
 
 struct ParamSet {
-  at::Tensor param_block, grad_block;  // defined for flat sets
+  at::Tensor param_block, grad_block;  // defined for flat sets (grad_block: unless apart)
   std::vector<at::Tensor> params;
 };
 
-ParamSet make_set(const std::vector<std::vector<int64_t>>& shapes, bool flat) {
+// `flat`: the parameters are views of one block, and (unless `grads_apart`) their gradients
+// views of another, as DistributedDataParallel lays them out; with `grads_apart` every
+// gradient is a tensor of its own, as DecentralizedDataParallel leaves them (Note
+// [gradients in place]).
+ParamSet make_set(const std::vector<std::vector<int64_t>>& shapes, bool flat,
+                  bool grads_apart = false) {
   torch::manual_seed(0);
   ParamSet set;
   int64_t total = 0;
@@ -90,7 +96,8 @@ ParamSet make_set(const std::vector<std::vector<int64_t>>& shapes, bool flat) {
   torch::NoGradGuard no_grad;
   if (flat) {
     set.param_block = torch::randn({total}, g_device) * 0.01;
-    set.grad_block = torch::randn({total}, g_device) * 0.01;
+    if (!grads_apart)
+      set.grad_block = torch::randn({total}, g_device) * 0.01;
   }
   for (size_t i = 0; i < shapes.size(); ++i) {
     at::Tensor p;
@@ -101,7 +108,8 @@ ParamSet make_set(const std::vector<std::vector<int64_t>>& shapes, bool flat) {
       p = torch::empty({0}, g_device);
       p.set_data(set.param_block.narrow(0, offsets[i], n).view(shapes[i]));
       p.requires_grad_(true);
-      p.mutable_grad() = set.grad_block.narrow(0, offsets[i], n).view(shapes[i]);
+      p.mutable_grad() = grads_apart ? torch::randn(shapes[i], g_device) * 0.01
+                                     : set.grad_block.narrow(0, offsets[i], n).view(shapes[i]);
     } else {
       p = (torch::randn(shapes[i], g_device) * 0.01).requires_grad_(true);
       p.mutable_grad() = torch::randn(shapes[i], g_device) * 0.01;
@@ -210,6 +218,11 @@ int main(int argc, char** argv) {
                                  decent_dp::optim::AdamWOptions(1e-3).weight_decay(0.1));
     const double fused = time_ms([&] { ours.step(); }, iters);
     report("decent_dp AdamW (flat)", fused, 28, base);
+    auto apart = make_set(shapes, true, /*grads_apart=*/true);
+    decent_dp::optim::AdamW ours_apart(apart.params,
+                                       decent_dp::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    report("decent_dp AdamW (flat, grads apart)", time_ms([&] { ours_apart.step(); }, iters), 28,
+           base);
     // What the wrappers give their optimizers: the adamw() factory's two groups (decayed
     // weights, undecayed 1-D parameters) over one flat bucket, laid out by the default bucket
     // layout key (each group one contiguous run) or in gradient-ready order (interleaved).
@@ -239,6 +252,11 @@ int main(int argc, char** argv) {
         flat2.params, decent_dp::optim::AccumAdamWOptions(1e-3).weight_decay(0.1).accum_iter(4));
     const double accum_ms = time_ms([&] { accum.step(); }, iters);
     report("decent_dp AccumAdamW (flat)", accum_ms, 36, base);
+    auto apart2 = make_set(shapes, true, /*grads_apart=*/true);
+    decent_dp::optim::AccumAdamW accum_apart(
+        apart2.params, decent_dp::optim::AccumAdamWOptions(1e-3).weight_decay(0.1).accum_iter(4));
+    report("decent_dp AccumAdamW (flat, grads apart)", time_ms([&] { accum_apart.step(); }, iters),
+           36, base);
     fmt::print("AccumAdamW / fused AdamW time: {:.2f}x\n", accum_ms / fused);
     rows.push_back({{"case", "accum_over_fused_adamw"}, {"ratio", accum_ms / fused}});
   }
@@ -250,6 +268,10 @@ int main(int argc, char** argv) {
     auto flat = make_set(shapes, true);
     decent_dp::optim::SGD ours(flat.params, decent_dp::optim::SGDOptions(0.1).momentum(0.9));
     report("decent_dp SGD momentum (flat)", time_ms([&] { ours.step(); }, iters), 20, base);
+    auto apart = make_set(shapes, true, /*grads_apart=*/true);
+    decent_dp::optim::SGD ours_apart(apart.params, decent_dp::optim::SGDOptions(0.1).momentum(0.9));
+    report("decent_dp SGD momentum (flat, grads apart)", time_ms([&] { ours_apart.step(); }, iters),
+           20, base);
   }
   if (!json_path.empty() && !decent_dp::bench::write_json(json_path,
                                                           nlohmann::json{{"numel", numel},

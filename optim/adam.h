@@ -4,8 +4,9 @@
 // schedulers and state serialization work the LibTorch way. A parameter group whose
 // parameters are views of one flat block keeps flat state blocks and is stepped in one pass
 // (gradients in a block of the same layout) or one fused call over the views (Note [flat
-// parameter groups] in optim/flat_layout.h); other groups are stepped tensor by tensor. Adam and AdamW run ATen's fused kernels (at::_fused_adam_,
-// at::_fused_adamw_) on CPU and CUDA; AccumAdam(W) runs its own single-pass CPU kernel.
+// parameter groups] in optim/flat_layout.h); other groups are stepped tensor by tensor. Adam and
+// AdamW run ATen's fused kernels (at::_fused_adam_, at::_fused_adamw_) on CPU and CUDA;
+// AccumAdam(W) runs its own single-pass CPU kernel.
 #pragma once
 
 #include <torch/optim/optimizer.h>
