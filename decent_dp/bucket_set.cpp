@@ -273,7 +273,8 @@ std::vector<size_t> BucketSet::sizes() const {
 void update_bucket(Bucket& bucket, const ParamBinding& binding, double grad_clip_norm) {
   if (grad_clip_norm > 0) {
     // The bucket's gradient norm: of the block, or (Note [gradients in place]) of the
-    // tensors' norms, as torch's clip_grad_norm_ takes it.
+    // tensors' norms. The factor is torch's clip_grad_norm_ arithmetic, in the norm's dtype:
+    // min(1, 1 / (norm + 1e-6) * c); a factor of 1 leaves the gradients unchanged.
     std::vector<at::Tensor> grads;
     at::Tensor norm;
     if (binding.grads_in_block()) {
@@ -285,20 +286,10 @@ void update_bucket(Bucket& bucket, const ParamBinding& binding, double grad_clip
       }
       norm = at::stack(at::_foreach_norm(grads, 2)).norm();
     }
-    if (norm.is_cpu()) {
-      const double coef = grad_clip_norm / (norm.item<double>() + 1e-6);
-      if (coef < 1.0) {
-        at::_foreach_mul_(grads, coef);
-      }
-    } else {
-      // On a GPU the coefficient stays on the device (no host sync per bucket): the same
-      // min(1, c / (norm + 1e-6)), computed in double as on the CPU; a factor of exactly 1
-      // leaves the gradients unchanged.
-      const at::Tensor coef =
-          norm.to(at::kDouble).add_(1e-6).reciprocal_().mul_(grad_clip_norm).clamp_max_(1.0);
-      for (at::Tensor& g : grads) {
-        g.mul_(coef);
-      }
+    const at::Tensor coef = norm.add_(1e-6).reciprocal_().mul_(grad_clip_norm).clamp_max_(1.0);
+    // On a GPU the factor stays on the device (no host sync per bucket).
+    if (!coef.is_cpu() || coef.item<double>() < 1.0) {
+      at::_foreach_mul_(grads, coef);
     }
   }
   bucket.optimizer->step();

@@ -147,6 +147,11 @@ int main(int argc, char** argv) {
   app.add_option("--grad-clip", grad_clip,
                  "gossip: clip each bucket's gradient norm to this (0: off)")
       ->check(CLI::NonNegativeNumber);
+  std::string bucket_order = "default";
+  app.add_option("--bucket-order", bucket_order,
+                 "order inside a bucket: default (the layout key: decayed parameters first) or "
+                 "ready (gradient-ready order, the package's)")
+      ->check(CLI::IsMember({"default", "ready"}));
   app.add_option("--threads", threads, "intra-op threads per rank")->check(CLI::PositiveNumber);
   app.add_option("--cases", cases_arg, "local, gossip and/or allreduce, comma-separated");
   app.add_option("--json", json_path, "rank 0 writes the per-round times here");
@@ -258,6 +263,8 @@ int main(int argc, char** argv) {
       options.topology = topology;
       options.bucket_cap_mb = bucket_mb;
       options.grad_clip_norm = grad_clip;
+      if (bucket_order == "ready")
+        options.bucket_layout_key = nullptr;
       std::shared_ptr<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>> model;
       try {
         model = std::make_shared<decent_dp::DecentralizedDataParallel<torch::nn::Sequential>>(

@@ -52,6 +52,9 @@ def parse_args(argv):
     p.add_argument("--bucket-mb", type=int, default=25)
     p.add_argument("--grad-clip", type=float, default=0.0,
                    help="gossip: clip each bucket's gradient norm to this (0: off)")
+    p.add_argument("--bucket-order", choices=("default", "ready"), default="default",
+                   help="decent_dp's order inside a bucket; the package always keeps "
+                        "gradient-ready order")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cases", default="local,gossip")
     p.add_argument("--json", default="")
