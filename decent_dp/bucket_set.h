@@ -61,8 +61,9 @@ struct Bucket {
 // only for the optimizer, so with the view binding they stay where autograd put them and
 // there is no gradient block: the fused optimizers step the flat parameter and state
 // blocks' views with the gradients as they are (Note [flat parameter groups]), which
-// saves a copy of every gradient per step (about 4% of a 10 M-parameter CNN's step on one
-// core) and a block of the parameters' size. A gradient that did not arrive becomes zeros.
+// saves a copy of every gradient per step (2-5% of a 10 M-parameter CNN's step on one core,
+// 10% of a 21 M-parameter MLP's: docs/benchmarks.md) and a block of the parameters' size.
+// A gradient that did not arrive becomes zeros.
 //
 // Copy binding: the parameters keep their storage; the optimizer steps leaf aliases of the
 // block, and the model's parameters and gradients are copied in before each update and the
