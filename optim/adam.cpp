@@ -60,10 +60,10 @@ constexpr const char* variant_name(AdamVariant v) {
   return "?";
 }
 
+// Contiguity aside: the callers pass contiguous tensors or memory-order views of alike ones.
 bool fused_kernel_supports(const at::Tensor& p, const at::Tensor& g) {
   const auto dtype = p.scalar_type();
-  return (p.device().is_cpu() || p.device().is_cuda()) && p.is_contiguous() && g.is_contiguous() &&
-         g.scalar_type() == dtype &&
+  return (p.device().is_cpu() || p.device().is_cuda()) && g.scalar_type() == dtype &&
          (dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
           dtype == at::kBFloat16);
 }
@@ -268,14 +268,20 @@ void AdamFamily<Options, kVariant>::step_group(const Options& o,
     }
     const int64_t t = s.step() + 1;
     s.step(t);
+    // A dense layout shared by the parameter, its gradient and its state (channels-last,
+    // say) steps in memory order, where the single-pass kernels apply.
+    const bool alike = dense_alike(grads[i], p) && dense_alike(s.exp_avg(), p) &&
+                       dense_alike(s.exp_avg_sq(), p) && (!kAccum || dense_alike(s.accum(), p));
+    auto flat_if_alike = [alike](const at::Tensor& x) { return alike ? memory_order(x) : x; };
     if constexpr (kAccum) {
       accum_step.step = t;
-      accum_adam_step(p, grads[i], s.exp_avg(), s.exp_avg_sq(), s.accum(), accum_step);
-    } else if (fused_kernel_supports(p, grads[i]) && s.exp_avg().is_contiguous()) {
-      fp.push_back(p);
-      fg.push_back(grads[i]);
-      fm.push_back(s.exp_avg());
-      fv.push_back(s.exp_avg_sq());
+      accum_adam_step(flat_if_alike(p), flat_if_alike(grads[i]), flat_if_alike(s.exp_avg()),
+                      flat_if_alike(s.exp_avg_sq()), flat_if_alike(s.accum()), accum_step);
+    } else if (alike && fused_kernel_supports(p, grads[i])) {
+      fp.push_back(memory_order(p));
+      fg.push_back(memory_order(grads[i]));
+      fm.push_back(memory_order(s.exp_avg()));
+      fv.push_back(memory_order(s.exp_avg_sq()));
       fs.push_back(t == shared_t
                        ? shared_step
                        : at::full({}, static_cast<double>(t), p.options().dtype(at::kFloat)));

@@ -73,6 +73,17 @@ at::Tensor detect_flat_grads(const FlatLayout& layout, const std::vector<at::Ten
   return grads[0].as_strided({layout.params.numel()}, {1}, g_min);
 }
 
+bool dense_alike(const at::Tensor& t, const at::Tensor& like) {
+  return t.defined() && t.layout() == at::kStrided && t.sizes() == like.sizes() &&
+         ((t.is_contiguous() && like.is_contiguous()) ||
+          (like.is_non_overlapping_and_dense() && t.strides() == like.strides()));
+}
+
+at::Tensor memory_order(const at::Tensor& t) {
+  // Dense layouts have positive strides: the memory starts at the storage offset.
+  return t.as_strided({t.numel()}, {1}, t.storage_offset());
+}
+
 at::Tensor view_like(const at::Tensor& block, const at::Tensor& like, int64_t offset) {
   return block.as_strided(like.sizes(), like.strides(), block.storage_offset() + offset);
 }

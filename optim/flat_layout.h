@@ -40,6 +40,15 @@ std::optional<FlatLayout> detect_flat_params(const std::vector<at::Tensor>& para
 at::Tensor detect_flat_grads(const FlatLayout& layout, const std::vector<at::Tensor>& params,
                              const std::vector<at::Tensor>& grads);
 
+// Whether `t` and `like` are both contiguous, or both non-overlapping and dense with the
+// same sizes and strides (a channels-last parameter, its gradient and its state). Element k
+// of each one's memory_order() view is then the same element of both.
+bool dense_alike(const at::Tensor& t, const at::Tensor& like);
+
+// A non-overlapping and dense tensor as a 1-D view in memory order, for elementwise kernels
+// that need contiguous tensors.
+at::Tensor memory_order(const at::Tensor& t);
+
 // A view of `block` shaped and strided like `like`, starting at element `offset`.
 at::Tensor view_like(const at::Tensor& block, const at::Tensor& like, int64_t offset);
 

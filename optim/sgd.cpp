@@ -126,19 +126,27 @@ at::Tensor SGD::step(LossClosure closure) {
       }
       if (!l.grads.defined()) {
         // Gradients where autograd put them (Note [gradients in place]): the parameter and
-        // momentum views with them, one fused call for the group.
-        std::vector<at::Tensor> bufs;
+        // momentum views with them, one fused call for the group; a dense layout shared by
+        // a parameter, its gradient and its buffer (channels-last, say) in memory order.
+        std::vector<at::Tensor> fp, fg, bufs;
         bool fused_ok = true;
-        for (size_t i = 0; i < params.size(); ++i) {
+        for (size_t i = 0; fused_ok && i < params.size(); ++i) {
+          const at::Tensor& p = params[i];
           const at::Tensor buf = momentum ? states[i]->momentum_buffer() : at::Tensor();
-          fused_ok = fused_ok && fused_kernel_supports(params[i], grads[i], buf);
-          if (momentum) {
-            bufs.push_back(buf);
+          fused_ok = dense_alike(grads[i], p) && (!momentum || dense_alike(buf, p));
+          if (fused_ok) {
+            fp.push_back(memory_order(p));
+            fg.push_back(memory_order(grads[i]));
+            if (momentum) {
+              bufs.push_back(memory_order(buf));
+            }
+            fused_ok =
+                fused_kernel_supports(fp.back(), fg.back(), momentum ? bufs.back() : at::Tensor());
           }
         }
         if (fused_ok) {
-          at::_fused_sgd_(params, grads, bufs, o.weight_decay(), o.momentum(), o.lr(),
-                          o.dampening(), o.nesterov(), /*maximize=*/false, first);
+          at::_fused_sgd_(fp, fg, bufs, o.weight_decay(), o.momentum(), o.lr(), o.dampening(),
+                          o.nesterov(), /*maximize=*/false, first);
         } else {
           for (size_t i = 0; i < params.size(); ++i) {
             const at::Tensor& buf = momentum ? states[i]->momentum_buffer() : at::Tensor();

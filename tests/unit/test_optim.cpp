@@ -479,3 +479,63 @@ TEST_CASE("factories split weight decay the conventional way", "[optim]") {
   CHECK_THROWS_WITH(SGD(std::vector<at::Tensor>{torch::zeros({1})}, SGDOptions(0.1).nesterov(true)),
                     Catch::Contains("nesterov needs momentum > 0"));
 }
+
+TEST_CASE("a channels-last parameter steps as its contiguous twin, bit for bit", "[optim]") {
+  // A channels-last conv weight, alone (tensor by tensor) or as a view of a flat block with
+  // its gradient apart (DecentralizedDataParallel's layout, Note [gradients in place]), is
+  // stepped in memory order by the single-pass kernels, as its contiguous twin is.
+  using MakeOpt = std::function<std::unique_ptr<torch::optim::Optimizer>(at::Tensor)>;
+  const std::vector<std::pair<const char*, MakeOpt>> optimizers = {
+      {"AdamW",
+       [](at::Tensor p) {
+         return std::make_unique<AdamW>(std::vector<at::Tensor>{p},
+                                        AdamWOptions(1e-2).weight_decay(0.1));
+       }},
+      {"AccumAdamW",
+       [](at::Tensor p) {
+         return std::make_unique<AccumAdamW>(std::vector<at::Tensor>{p},
+                                             AccumAdamWOptions(1e-2).weight_decay(0.1));
+       }},
+      {"SGD momentum", [](at::Tensor p) {
+         return std::make_unique<SGD>(std::vector<at::Tensor>{p},
+                                      SGDOptions(0.05).momentum(0.9).nesterov(true));
+       }}};
+  const std::vector<int64_t> shape = {8, 5, 3, 3};
+  for (const auto& [name, make] : optimizers) {
+    for (bool in_block : {false, true}) {
+      INFO(name << (in_block ? ", a view of a flat block" : ", alone"));
+      torch::manual_seed(3);
+      const at::Tensor w = torch::randn(shape);
+      const auto cl_strides = w.contiguous(at::MemoryFormat::ChannelsLast).strides().vec();
+      at::Tensor block, cl;
+      torch::NoGradGuard no_grad;
+      if (in_block) {
+        block = torch::zeros({w.numel() + 32});
+        auto view = block.as_strided(shape, cl_strides, 32);
+        view.copy_(w);
+        cl = torch::empty({0});
+        cl.set_data(view);
+      } else {
+        cl = w.contiguous(at::MemoryFormat::ChannelsLast).clone(at::MemoryFormat::Preserve);
+      }
+      REQUIRE(cl.is_contiguous(at::MemoryFormat::ChannelsLast));
+      REQUIRE_FALSE(cl.is_contiguous());
+      cl.requires_grad_(true);
+      at::Tensor twin = w.clone().requires_grad_(true);
+      auto opt_cl = make(cl);
+      auto opt_twin = make(twin);
+      for (int step = 0; step < 6; ++step) {
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(77 + step);
+        const at::Tensor g = at::randn(shape, gen);
+        cl.mutable_grad() = g.contiguous(at::MemoryFormat::ChannelsLast);
+        twin.mutable_grad() = g.clone();
+        opt_cl->step();
+        opt_twin->step();
+      }
+      CHECK(torch::equal(cl, twin));
+      if (in_block) {
+        CHECK(cl.data_ptr() == block.as_strided(shape, cl_strides, 32).data_ptr());
+      }
+    }
+  }
+}
