@@ -21,6 +21,7 @@ import faulthandler
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -123,6 +124,8 @@ def batches(torch, a, rank):
 
 def main(argv):
     faulthandler.enable()  # a Python stack on stderr if the process aborts
+    # ... and every thread's stack when it is stopped from outside (compare's launch timeout)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     a = parse_args(argv)
     env = os.environ
     rank = int(env.get("OMPI_COMM_WORLD_RANK", env.get("RANK", "0")))
