@@ -1,7 +1,8 @@
 // optim_bench: time per optimizer step over a ResNet-50-shaped parameter set (25.6 M
 // parameters in 161 tensors): decent_dp's optimizers on flat buckets (one parameter block,
 // and one gradient block as DistributedDataParallel lays them out or gradients apart as
-// DecentralizedDataParallel leaves them) against torch::optim's
+// DecentralizedDataParallel leaves them; also with the convolution weights channels-last)
+// against torch::optim's
 // per-parameter loops, with the memory bandwidth each achieves next to that of a plain
 // large-tensor copy measured in the same run.
 //
@@ -80,8 +81,11 @@ struct ParamSet {
 // views of another, as DistributedDataParallel lays them out; with `grads_apart` every
 // gradient is a tensor of its own, as DecentralizedDataParallel leaves them (Note
 // [gradients in place]).
+// With `channels_last` every 4-D parameter (a convolution's weight) and its gradient are
+// laid out channels-last (the parameter a view of its block in that order), as a model
+// converted with .to(torch::MemoryFormat::ChannelsLast) has them.
 ParamSet make_set(const std::vector<std::vector<int64_t>>& shapes, bool flat,
-                  bool grads_apart = false) {
+                  bool grads_apart = false, bool channels_last = false) {
   torch::manual_seed(0);
   ParamSet set;
   int64_t total = 0;
@@ -105,11 +109,18 @@ ParamSet make_set(const std::vector<std::vector<int64_t>>& shapes, bool flat,
       int64_t n = 1;
       for (auto d : shapes[i])
         n *= d;
+      const bool cl = channels_last && shapes[i].size() == 4;
+      const auto& sh = shapes[i];
+      auto shaped = [&](const at::Tensor& run) {
+        return cl ? run.view({sh[0], sh[2], sh[3], sh[1]}).permute({0, 3, 1, 2}) : run.view(sh);
+      };
       p = torch::empty({0}, g_device);
-      p.set_data(set.param_block.narrow(0, offsets[i], n).view(shapes[i]));
+      p.set_data(shaped(set.param_block.narrow(0, offsets[i], n)));
       p.requires_grad_(true);
-      p.mutable_grad() = grads_apart ? torch::randn(shapes[i], g_device) * 0.01
-                                     : set.grad_block.narrow(0, offsets[i], n).view(shapes[i]);
+      p.mutable_grad() = grads_apart ? (torch::randn(sh, g_device) * 0.01)
+                                           .contiguous(cl ? at::MemoryFormat::ChannelsLast
+                                                          : at::MemoryFormat::Contiguous)
+                                     : shaped(set.grad_block.narrow(0, offsets[i], n));
     } else {
       p = (torch::randn(shapes[i], g_device) * 0.01).requires_grad_(true);
       p.mutable_grad() = torch::randn(shapes[i], g_device) * 0.01;
@@ -222,6 +233,12 @@ int main(int argc, char** argv) {
     decent_dp::optim::AdamW ours_apart(apart.params,
                                        decent_dp::optim::AdamWOptions(1e-3).weight_decay(0.1));
     report("decent_dp AdamW (flat, grads apart)", time_ms([&] { ours_apart.step(); }, iters), 28,
+           base);
+    // Convolution weights channels-last: stepped in memory order by the same fused call.
+    auto cl = make_set(shapes, true, /*grads_apart=*/true, /*channels_last=*/true);
+    decent_dp::optim::AdamW ours_cl(cl.params,
+                                    decent_dp::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    report("decent_dp AdamW (grads apart, NHWC)", time_ms([&] { ours_cl.step(); }, iters), 28,
            base);
     // What the wrappers give their optimizers: the adamw() factory's two groups (decayed
     // weights, undecayed 1-D parameters) over one flat bucket, laid out by the default bucket
