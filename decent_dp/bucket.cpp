@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "decent_dp/errors.h"
+#include "decent_dp/optim/flat_layout.h"
 
 namespace decent_dp {
 
@@ -99,7 +100,7 @@ BucketStorage make_bucket_storage(const BucketSpec& spec, const std::vector<at::
     // Dense layouts (contiguous, channels-last, ...) keep their strides inside the block.
     auto view_of = [&](const at::Tensor& block) {
       if (p.is_non_overlapping_and_dense()) {
-        return block.as_strided(p.sizes(), p.strides(), offset);
+        return optim::view_like(block, p, offset);
       }
       return block.narrow(0, offset, p.numel()).view(p.sizes());
     };

@@ -2,6 +2,7 @@
 
 #include "decent_dp/bucket.h"
 #include "decent_dp/errors.h"
+#include "decent_dp/optim/flat_layout.h"
 
 namespace decent_dp {
 
@@ -33,7 +34,7 @@ std::vector<at::Tensor> MixingContext::views(const at::Tensor& flat) const {
   for (const at::Tensor& t : *tensors) {
     // Every tensor's data is its view of the parameter block (Note [parameter binding]).
     const int64_t offset = t.storage_offset() - params.storage_offset();
-    out.push_back(flat.as_strided(t.sizes(), t.strides(), flat.storage_offset() + offset));
+    out.push_back(optim::view_like(flat, t, offset));
   }
   return out;
 }

@@ -91,6 +91,35 @@ TEST_CASE("bucket storage: views share the blocks, channels-last keeps its strid
   CHECK(bias.sum().item<double>() == 28.0);
 }
 
+TEST_CASE("bucket storage: a block that starts inside its storage holds the views", "[bucket]") {
+  // An allocator may hand out a block that starts past its storage's first element (a
+  // slice of a larger buffer); the views are placed relative to the block.
+  torch::manual_seed(3);
+  auto conv =
+      torch::randn({4, 3, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast).requires_grad_(true);
+  auto bias = torch::randn({4}).requires_grad_(true);
+  const auto conv_values = conv.detach().clone();
+  const auto bias_values = bias.detach().clone();
+  auto plan = plan_buckets({entry(0, conv.numel()), entry(1, bias.numel())}, 1 << 20);
+  auto sliced = [](int64_t numel, const at::TensorOptions& options) {
+    return at::zeros({numel + 5}, options).narrow(0, 5, numel);
+  };
+  auto storage = make_bucket_storage(plan[0], {conv, bias}, /*as_view=*/true, true, sliced);
+  REQUIRE(storage.params.storage_offset() == 5);
+  CHECK(conv.strides() == conv_values.strides());
+  CHECK(torch::equal(conv, conv_values));
+  CHECK(torch::equal(storage.params.narrow(0, 128, 4), bias_values));
+  CHECK(
+      torch::equal(storage.params.narrow(0, 0, 108), conv_values.permute({0, 2, 3, 1}).flatten()));
+  CHECK(storage.params.narrow(0, 108, 128 - 108).abs().sum().item<double>() == 0.0);
+  CHECK(conv.grad().storage_offset() == storage.grads.storage_offset());
+  CHECK(bias.grad().storage_offset() == storage.grads.storage_offset() + 128);
+  CHECK(storage.comm_views[1].storage_offset() == storage.comm.storage_offset() + 128);
+  torch::NoGradGuard no_grad;
+  storage.params.narrow(0, 128, 4).fill_(7.0);
+  CHECK(bias.sum().item<double>() == 28.0);
+}
+
 TEST_CASE("bucket storage: swapping the parameter and communication blocks", "[bucket]") {
   torch::manual_seed(1);
   auto conv =
