@@ -128,6 +128,11 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--lr", lr, "learning rate")->check(CLI::PositiveNumber);
   app.add_option("--weight-decay", weight_decay, "weight decay")->check(CLI::NonNegativeNumber);
+  std::string decay_split = "all";
+  app.add_option("--weight-decay-split", decay_split,
+                 "which parameters decay: all; factory: each implementation's factory's rule "
+                 "(here decent_dp's); package: the Python package's rule")
+      ->check(CLI::IsMember({"all", "factory", "package"}));
   app.add_option("--momentum", momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0));
   app.add_option("--batch", batch, "samples per rank and step")->check(CLI::PositiveNumber);
   app.add_option("--batches", n_batches, "distinct batches per rank, cycled")
@@ -194,11 +199,19 @@ int main(int argc, char** argv) {
     data.emplace_back(x, y);
   }
   decent_dp::optim::OptimFn optim_fn;
-  // Every optimizer: the same learning rate, and weight decay on every parameter.
+  // Every optimizer: the same learning rate, and weight decay on every parameter, on those
+  // the factory's default rule names (the spec's section 8), or on those the Python
+  // package's factories name ("bn" or "bias" in the name: the spec's section 11).
   auto common = [&](auto o) {
     o.lr = lr;
     o.weight_decay = weight_decay;
-    o.decay = [](const std::string&, const at::Tensor&) { return true; };
+    if (decay_split == "all") {
+      o.decay = [](const std::string&, const at::Tensor&) { return true; };
+    } else if (decay_split == "package") {
+      o.decay = [](const std::string& name, const at::Tensor&) {
+        return name.find("bn") != std::string::npos || name.find("bias") != std::string::npos;
+      };
+    }
     return o;
   };
   if (optimizer == "adamw") {

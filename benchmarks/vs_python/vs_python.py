@@ -40,6 +40,9 @@ def parse_args(argv):
     p.add_argument("--t-warmup", type=int, default=0, help="cosine: steps of linear warmup")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--weight-decay-split", choices=("all", "factory", "package"), default="all",
+                   help="which parameters decay: all; factory: each implementation's factory's "
+                        "rule (here the package's); package: the package's rule")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--batches", type=int, default=1, help="distinct batches per rank, cycled")
@@ -145,6 +148,7 @@ def main(argv):
     try:
         from decent_dp.ddp import DecentralizedDataParallel
         from decent_dp.optim import AccumAdamW, lr_scheduler_fn_cosine_with_warmup
+        from decent_dp.optim import _get_param_groups as package_split
     except ImportError as e:
         print(f"error: the decent-dp package is not installed ({e}); run scripts/bootstrap",
               file=sys.stderr)
@@ -165,7 +169,11 @@ def main(argv):
     dist.init_process_group("gloo", rank=rank, world_size=size)
 
     def optim_fn(named):
-        params = [p for _, p in named]
+        # The package's factories give weight decay to the parameters it names "bn" or "bias"
+        # and none to the rest (the spec's section 11: the split inverted); its groups here,
+        # with the same kernels as every other check.
+        params = package_split(named, a.weight_decay) if a.weight_decay_split != "all" else \
+            [p for _, p in named]
         if a.optimizer == "adamw":
             return torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.999), eps=1e-8,
                                      weight_decay=a.weight_decay, fused=True)
