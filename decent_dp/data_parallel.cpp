@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <unordered_set>
 
 #include "decent_dp/checkpoint.h"
 #include "decent_dp/env.h"
@@ -60,9 +61,15 @@ DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
   for (const auto& b : module_->named_buffers(/*recurse=*/false)) {
     register_buffer(b.key(), b.value());
   }
+  // A tensor registered under several names (tied weights) is one parameter, known by its
+  // first name, as torch's named_parameters() gives it in Python: one gradient (autograd
+  // accumulates every use into it), one hook, one place in one bucket.
+  std::unordered_set<const c10::TensorImpl*> seen_params;
   for (const auto& p : module_->named_parameters()) {
-    names_.push_back(p.key());
-    params_.push_back(p.value());
+    if (seen_params.insert(p.value().unsafeGetTensorImpl()).second) {
+      names_.push_back(p.key());
+      params_.push_back(p.value());
+    }
   }
   DECENT_DP_CHECK_ARG(!params_.empty(), who, ": the module has no parameters");
   const c10::Device device = params_[0].device();

@@ -201,7 +201,7 @@ class DataParallelCore : public torch::nn::Module {
   const char* who_;
   std::unique_ptr<topology::Topology> topology_;
 
-  std::vector<std::string> names_;  // named_parameters() of the wrapped module
+  std::vector<std::string> names_;  // named_parameters() of the wrapped module, each tensor once
   std::vector<at::Tensor> params_;  // same order
   std::unique_ptr<ParamBinding> binding_;
   BucketSet buckets_;

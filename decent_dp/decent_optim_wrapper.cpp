@@ -2,6 +2,8 @@
 
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <unordered_map>
+
 #include "decent_dp/backend.h"
 #include "decent_dp/env.h"
 #include "decent_dp/errors.h"
@@ -67,12 +69,22 @@ DecentOptimWrapper::DecentOptimWrapper(std::shared_ptr<torch::optim::Optimizer> 
   std::vector<std::string> names;
   std::vector<size_t> order;
   NamedTensors items;
+  std::unordered_map<const c10::TensorImpl*, size_t> first_listed;
   for (size_t g = 0; g < inner_->param_groups().size(); ++g) {
     const auto& group = inner_->param_groups()[g];
     for (size_t j = 0; j < group.params().size(); ++j) {
+      const std::string name = detail::cat("group ", g, " parameter ", j);
+      // torch::optim does not notice a tensor listed twice (tied weights passed as
+      // module->parameters(), which lists them under each name) and steps it twice.
+      const auto [it, fresh] =
+          first_listed.emplace(group.params()[j].unsafeGetTensorImpl(), params.size());
+      DECENT_DP_CHECK_ARG(fresh, "DecentOptimWrapper: the optimizer lists one tensor twice (",
+                          names[it->second], " and ", name,
+                          "), so its step would update it twice; expected each tensor once "
+                          "(with tied weights, pass each shared tensor once)");
       order.push_back(params.size());
       params.push_back(group.params()[j]);
-      names.push_back(detail::cat("group ", g, " parameter ", j));
+      names.push_back(name);
       items.emplace_back(names.back(), params.back());
       DECENT_DP_CHECK_ARG(params.back().device() == params[0].device(),
                           "DecentOptimWrapper: ", names.back(), " is on ",

@@ -327,6 +327,16 @@ TEST_CASE("optimizer wrapper misuse", "[wrapper]") {
       Catch::Contains("the optimizer has no parameters"));
   CHECK_THROWS_WITH(DecentOptimWrapper(sgd(), rank + 1, n, 1, "complete", 25, shared_comm()),
                     Catch::Contains("do not match the communicator"));
+  // A tensor listed twice (tied weights as module->parameters() lists them): refused by name.
+  auto w = net->parameters()[0];
+  auto twice = std::make_shared<torch::optim::SGD>(
+      std::vector<torch::optim::OptimizerParamGroup>{
+          torch::optim::OptimizerParamGroup(net->parameters()),
+          torch::optim::OptimizerParamGroup(std::vector<at::Tensor>{w})},
+      torch::optim::SGDOptions(0.1));
+  CHECK_THROWS_WITH(
+      DecentOptimWrapper(twice, rank, n, 1, "complete", 25, shared_comm()),
+      Catch::Contains("lists one tensor twice (group 0 parameter 0 and group 1 parameter 0)"));
   DecentOptimWrapper opt(sgd(), rank, n, 1, "complete", 25, shared_comm());
   CHECK_THROWS_WITH(opt.step([] { return torch::zeros({}); }),
                     Catch::Contains("closures are not supported"));
