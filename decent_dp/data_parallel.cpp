@@ -190,6 +190,17 @@ void DataParallelCore::before_forward() {
 
 void DataParallelCore::build_buckets() {
   const auto& order = ready_->first_order();
+  // Every rank holds the same model (checked at construction), so all refuse alike here,
+  // before the collective below.
+  for (size_t i : order) {
+    const at::Tensor& g = params_[i].grad();
+    DECENT_DP_CHECK_ARG(!g.defined() || g.layout() == at::kStrided, who_, ": parameter '",
+                        names_[i], "' received a gradient of layout ",
+                        g.defined() ? c10::str(g.layout()) : std::string(),
+                        "; the wrappers bucket, average and step dense (strided) "
+                        "gradients (an Embedding or EmbeddingBag built with sparse(true)? build "
+                        "it with sparse(false))");
+  }
   check_same_order(*control_, order, params_, names_);
   // Parameters that never received a gradient are left out, with one warning each.
   std::vector<char> seen(params_.size(), 0);

@@ -160,6 +160,30 @@ TEST_CASE("an optimizer factory that lists a parameter twice and omits another i
   CHECK_THROWS_WITH(step(model, 0), Catch::Contains("twice") && Catch::Contains("exactly once"));
 }
 
+TEST_CASE("a sparse gradient is refused by name, by both wrappers", "[misuse]") {
+  // An Embedding built with sparse(true): its gradient is a sparse tensor, which the
+  // all-reduce used to meet as ATen's "copy_() between dense and sparse" mid-backward.
+  auto make = [] {
+    torch::manual_seed(2);
+    return torch::nn::Sequential(
+        torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 8).sparse(true)), torch::nn::Flatten(),
+        torch::nn::Linear(16, 4));
+  };
+  auto ids = at::arange(8).remainder(10).view({4, 2});
+  auto check = [&](auto& model) {
+    CHECK_THROWS_WITH(
+        torch::mse_loss(model.forward(ids), at::zeros({4, 4})).backward(),
+        Catch::Contains("parameter '0.weight' received a gradient of layout Sparse") &&
+            Catch::Contains("sparse(false)"));
+  };
+  auto a = make();
+  Gossip gossip(a, small(), optim::sgd(), nullptr, shared_comm());
+  check(gossip);
+  auto b = make();
+  AllReduce allreduce(b, small(), optim::sgd(), nullptr, shared_comm());
+  check(allreduce);
+}
+
 TEST_CASE("an unbounded bucket cap means one bucket", "[misuse]") {
   for (double cap : {std::numeric_limits<double>::infinity(), 1e13, 1e300}) {
     INFO("bucket_cap_mb " << cap);
