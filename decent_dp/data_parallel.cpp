@@ -123,6 +123,7 @@ DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
   handlers.build = [this] { build_buckets(); };
   handlers.on_param = [this](size_t b, size_t k) { binding_->on_grad_ready(buckets_[b], k); };
   handlers.on_bucket = [this](size_t b) { on_bucket(b); };
+  handlers.on_missing = [this](size_t i) { on_missing_gradient(i); };
   handlers.progress = [this](bool block) {
     exchange_->progress(block, [this](Bucket& bucket) { take_update(bucket); });
     if (block) {
@@ -241,6 +242,23 @@ void DataParallelCore::build_buckets() {
                                    " parameters, ", unused_.size(), " excluded"));
   }
   ready_->set_buckets(std::move(bucket_of), std::move(position_of), buckets_.sizes());
+}
+
+void DataParallelCore::on_missing_gradient(size_t i) {
+  exchange_->metrics().count("missing_gradients");
+  if (warned_missing_.empty()) {
+    warned_missing_.assign(params_.size(), 0);
+  }
+  if (!warned_missing_[i]) {
+    warned_missing_[i] = 1;
+    DECENT_DP_LOG_WARN(detail::cat(
+        who_, ": parameter '", names_[i], "' received no gradient in step ", steps_,
+        " (it took no part in the loss, or no longer requires grad); its bucket updates with "
+        "zero in its place, which still moves it under momentum or weight decay",
+        mode_ == ExchangeMode::kGossip ? ", and mixes it with its peers" : "",
+        " (spec section 7). Said once per parameter; the metric missing_gradients counts "
+        "every time"));
+  }
 }
 
 void DataParallelCore::on_bucket(size_t b) {

@@ -188,6 +188,7 @@ class DataParallelCore : public torch::nn::Module {
   int64_t agree_active(bool active);
   void shadow_step();
   void on_bucket(size_t b);
+  void on_missing_gradient(size_t i);
   void take_update(Bucket& bucket);
   std::vector<at::Tensor> averaged_buffers();
 
@@ -210,6 +211,7 @@ class DataParallelCore : public torch::nn::Module {
   GlobalAverager averager_;
   std::unique_ptr<GradReady> ready_;
   std::vector<std::string> unused_;
+  std::vector<char> warned_missing_;  // per parameter: a missing gradient was reported
 
   bool accumulate_ = false;
   bool join_enabled_ = false;

@@ -142,11 +142,21 @@ void GradReady::end_of_backward() {
   armed_ = false;
   backward_done_ = true;
   guarded([&] {
-    if (!have_buckets_) {
+    // Iteration 1 builds the buckets now, from the gradients that arrived; they all go on
+    // below.
+    const bool built_now = !have_buckets_;
+    if (built_now) {
       handlers_.build();
     }
     // Buckets whose gradients did not all arrive (spec §7): the missing ones count as zero;
     // every bucket takes its update and exchange so no group member waits forever.
+    if (handlers_.on_missing && !built_now && next_bucket_ < pending_.size()) {
+      for (size_t i = 0; i < ready_.size(); ++i) {
+        if (!ready_[i] && bucket_of_[i] < sizes_.size()) {
+          handlers_.on_missing(i);
+        }
+      }
+    }
     while (next_bucket_ < pending_.size()) {
       handlers_.on_bucket(next_bucket_++);
     }

@@ -32,6 +32,9 @@ class GradReady {
     std::function<void()> build;
     // A bucketed parameter's gradient arrived (index into the parameter list).
     std::function<void(size_t bucket, size_t position)> on_param;
+    // A bucketed parameter's gradient did not arrive by the end of a training backward
+    // (index into the parameter list); it counts as zero (spec §7). Optional.
+    std::function<void(size_t param)> on_missing;
     // A bucket's gradients are complete (in bucket order).
     std::function<void(size_t bucket)> on_bucket;
     // After every hook, and after the last bucket at the end of backward (block = true).

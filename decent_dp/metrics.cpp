@@ -5,8 +5,8 @@
 namespace decent_dp {
 
 Metrics::Metrics() {
-  for (const char* name :
-       {"steps", "updates", "exchanges", "exchange.bytes_sent", "exchange.bytes_received"}) {
+  for (const char* name : {"steps", "updates", "missing_gradients", "exchanges",
+                           "exchange.bytes_sent", "exchange.bytes_received"}) {
     counters_[name] = 0;
   }
   for (const char* name : {"exchange.wait", "exchange.encode", "exchange.decode",

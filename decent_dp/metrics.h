@@ -7,6 +7,8 @@
 // counters
 //   steps                  forward passes that started a training step
 //   updates                bucket updates (optimizer steps of one bucket)
+//   missing_gradients      bucketed parameters whose gradient had not arrived at the end of
+//                          a training backward (counted as zero, spec §7), per backward
 //   exchanges              collectives the exchange started (one per bucket and update)
 //   exchange.bytes_sent    payload bytes this rank sent in them, after encoding
 //   exchange.bytes_received  and received

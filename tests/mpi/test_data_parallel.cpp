@@ -511,6 +511,12 @@ TEST_CASE("unused parameters: a data-dependent branch and a layer never used", "
   }
   model.synchronize();
   CHECK(model.unused_parameters() == std::vector<std::string>{"never.weight", "never.bias"});
+  // Every step that skips the branch leaves skip.weight and skip.bias without a gradient;
+  // the never-used layer is not bucketed, so it is not counted.
+  uint64_t skipped = 0;
+  for (int step = 0; step < 12; ++step)
+    skipped += input(rank, step).x[0][0].item<float>() > 0 ? 0 : 2;
+  CHECK(model.metrics().counter("missing_gradients") == skipped);
   testing::Simulator sim([] { return BranchNet().ptr(); }, n, opts.topology, 1, factory);
   for (int step = 0; step < 12; ++step) {
     sim.step(
@@ -532,6 +538,37 @@ TEST_CASE("unused parameters: a data-dependent branch and a layer never used", "
   }
   BranchNet fresh;
   CHECK(torch::equal(net->never->weight, fresh->never->weight));
+}
+
+TEST_CASE("a parameter frozen after the first step counts as a missing gradient", "[ddp]") {
+  const int rank = comm().rank();
+  optim::SgdFactoryOptions so;  // plain SGD: a zero gradient moves nothing
+  so.lr = 0.1;
+  so.weight_decay = 0;
+  auto train = [&](auto& model, torch::nn::Sequential& net) {
+    at::Tensor frozen_at;
+    for (int step = 0; step < 6; ++step) {
+      if (step == 2) {
+        net[0]->as<torch::nn::Linear>()->weight.requires_grad_(false);
+        frozen_at = net[0]->as<torch::nn::Linear>()->weight.detach().clone();
+      }
+      auto b = batch_for(false, rank, step);
+      torch::mse_loss(model.forward(b.x), b.y).backward();
+    }
+    CHECK(model.metrics().counter("missing_gradients") == 4);
+    return frozen_at;
+  };
+  auto net = make_mlp();
+  DistributedDataParallel<torch::nn::Sequential> ddp(net, small_buckets("complete", 1),
+                                                     optim::sgd(so), nullptr, shared_comm());
+  const auto frozen_at = train(ddp, net);
+  // Every rank misses it alike: the averaged gradient is zero, and the weight stays put.
+  CHECK(torch::equal(net[0]->as<torch::nn::Linear>()->weight, frozen_at));
+  auto net2 = make_mlp();
+  DecentralizedDataParallel<torch::nn::Sequential> gossip(net2, small_buckets("complete", 1),
+                                                          optim::sgd(so), nullptr, shared_comm());
+  train(gossip, net2);
+  gossip.synchronize();
 }
 
 TEST_CASE("misuse gets one clear error and no hang", "[ddp]") {
