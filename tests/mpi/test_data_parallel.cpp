@@ -119,8 +119,8 @@ at::Tensor mlp_loss(torch::nn::Module& m, int r, int s) {
 }
 
 // One process's step on the union of every rank's MLP batch of `step`.
-void union_step(torch::nn::SequentialImpl& single, torch::optim::Optimizer& reference, int n,
-                int step) {
+template <typename Net>
+void union_step(Net& single, torch::optim::Optimizer& reference, int n, int step) {
   std::vector<at::Tensor> xs, ys;
   for (int r = 0; r < n; ++r) {
     auto b = batch_for(false, r, step);
@@ -765,15 +765,7 @@ TEST_CASE("tied weights: a tensor registered under two names is one parameter", 
   for (int step = 0; step < 6; ++step) {
     auto b = batch_for(false, rank, step);
     torch::mse_loss(model.forward(b.x), b.y).backward();
-    std::vector<at::Tensor> xs, ys;
-    for (int r = 0; r < n; ++r) {
-      auto br = batch_for(false, r, step);
-      xs.push_back(br.x);
-      ys.push_back(br.y);
-    }
-    reference.zero_grad();
-    torch::mse_loss(single->forward(torch::cat(xs)), torch::cat(ys)).backward();
-    reference.step();
+    union_step(*single, reference, n, step);
   }
   check_matches(*net, *single, 1e-5);
 }
