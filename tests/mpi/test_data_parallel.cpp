@@ -260,6 +260,90 @@ TEST_CASE("two wrappers trained in one loop each match their own reference", "[d
   check_matches(*mlp2, *single, 1e-5);
 }
 
+TEST_CASE("a GAN: the generator's pass runs the discriminator's own module, frozen", "[ddp]") {
+  // The recipe of docs/data_parallel.md: the discriminator D trains on real and generated
+  // samples through its wrapper; the generator G's loss flows through D's own module with
+  // D's parameters frozen, so D neither takes an update from it nor misses a gradient.
+  const int n = comm().size();
+  const int rank = comm().rank();
+  auto make_g = [] {
+    torch::manual_seed(7);
+    return torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::Tanh(),
+                                 torch::nn::Linear(8, 8));
+  };
+  auto make_d = [] {
+    torch::manual_seed(8);
+    return torch::nn::Sequential(torch::nn::Linear(8, 8), torch::nn::Tanh(),
+                                 torch::nn::Linear(8, 1));
+  };
+  auto data = [&](int step) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * rank + step + 1);
+    return std::make_pair(at::randn({6, 8}, gen) + 1.0, at::randn({6, 4}, gen));
+  };
+  auto freeze = [](torch::nn::Module& m, bool frozen) {
+    for (auto& p : m.parameters())
+      p.requires_grad_(!frozen);
+  };
+  auto factory = optim::adamw(adamw_lr(1e-2));
+  const int steps = 5;
+  auto g_net = make_g();
+  auto d_net = make_d();
+  const std::string topology = n % 2 == 0 ? "ring" : "complete";
+  DecentralizedDataParallel<torch::nn::Sequential> g(g_net, small_buckets(topology, 1), factory,
+                                                     nullptr, shared_comm());
+  DecentralizedDataParallel<torch::nn::Sequential> d(d_net, small_buckets(topology, 1), factory,
+                                                     nullptr, shared_comm());
+  for (int step = 0; step < steps; ++step) {
+    auto [real, z] = data(step);
+    at::Tensor fake;
+    {
+      torch::NoGradGuard no_grad;  // a forward without gradients counts no step of G
+      fake = g.forward(z);
+    }
+    (torch::mse_loss(d.forward(real), at::ones({6, 1})) +
+     torch::mse_loss(d.forward(fake), at::zeros({6, 1})))
+        .backward();
+    freeze(*d_net, true);
+    torch::mse_loss(d_net->forward(g.forward(z)), at::ones({6, 1})).backward();
+    freeze(*d_net, false);
+  }
+  g.synchronize();
+  d.synchronize();
+  CHECK(g.updates() == steps);
+  CHECK(d.updates() == steps);
+  CHECK(g.metrics().counter("missing_gradients") == 0);
+  CHECK(d.metrics().counter("missing_gradients") == 0);
+  if (n == 1) {
+    // One rank trains locally: the same as the plain loop with the factory's optimizers.
+    auto g_ref = make_g();
+    auto d_ref = make_d();
+    auto named = [](torch::nn::Module& m) {
+      optim::NamedParams out;
+      for (const auto& p : m.named_parameters())
+        out.emplace_back(p.key(), p.value());
+      return out;
+    };
+    auto opt_g = factory(named(*g_ref));
+    auto opt_d = factory(named(*d_ref));
+    for (int step = 0; step < steps; ++step) {
+      auto [real, z] = data(step);
+      const auto fake = g_ref->forward(z).detach();
+      opt_d->zero_grad();
+      (torch::mse_loss(d_ref->forward(real), at::ones({6, 1})) +
+       torch::mse_loss(d_ref->forward(fake), at::zeros({6, 1})))
+          .backward();
+      opt_d->step();
+      opt_g->zero_grad();
+      freeze(*d_ref, true);
+      torch::mse_loss(d_ref->forward(g_ref->forward(z)), at::ones({6, 1})).backward();
+      freeze(*d_ref, false);
+      opt_g->step();
+    }
+    check_matches(*g_net, *g_ref, 1e-6);
+    check_matches(*d_net, *d_ref, 1e-6);
+  }
+}
+
 TEST_CASE("stock torch::optim, copies instead of views, and gradient clipping match too", "[ddp]") {
   const int n = comm().size();
   const int rank = comm().rank();
