@@ -195,6 +195,56 @@ TEST_CASE("resume is exact in gossip mode for every topology, saved mid-period",
   }
 }
 
+namespace {
+
+// A linear layer whose weight is used twice and registered twice ("dec_w"), as tied weights.
+struct TiedImpl : torch::nn::Module {
+  explicit TiedImpl(uint64_t seed) {
+    torch::manual_seed(seed);
+    enc = register_module("enc", torch::nn::Linear(50, 50));
+    head = register_module("head", torch::nn::Linear(50, 3));
+    register_parameter("dec_w", enc->weight);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const auto h = torch::tanh(enc(x.flatten(1)));
+    return head(torch::tanh(torch::nn::functional::linear(h, enc->weight)));
+  }
+  torch::nn::Linear enc{nullptr}, head{nullptr};
+};
+TORCH_MODULE(Tied);
+
+}  // namespace
+
+TEST_CASE("resume is exact with tied weights", "[checkpoint]") {
+  Cleanup cleanup;
+  const int n = comm().size();
+  const std::string topo = n % 2 == 0 ? "ring" : "complete";
+  auto make = [&](Tied& net) {
+    return DecentralizedDataParallel<Tied>(net, options_for(topo), optim::adamw(), nullptr,
+                                           shared_comm());
+  };
+  Tied ref_net(7);
+  {
+    auto ref = make(ref_net);
+    train(ref, 0, 6);
+    ref.synchronize();
+  }
+  const std::string dir = dir_for("tied");
+  {
+    Tied first_net(7);
+    auto first = make(first_net);
+    train(first, 0, 3);
+    first.save(dir);
+  }
+  Tied net(99);
+  auto resumed = make(net);
+  resumed.load(dir);
+  train(resumed, 3, 6);
+  resumed.synchronize();
+  CHECK(net->named_parameters()["dec_w"].is_same(net->enc->weight));
+  require_equal(state_of(*net), state_of(*ref_net));
+}
+
 TEST_CASE("resume is exact in all-reduce mode and with a robust aggregator", "[checkpoint]") {
   Cleanup cleanup;
   SECTION("all-reduce, SGD with momentum") {
