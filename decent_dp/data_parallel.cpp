@@ -72,6 +72,7 @@ DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
     }
   }
   DECENT_DP_CHECK_ARG(!params_.empty(), who, ": the module has no parameters");
+  warned_missing_.assign(params_.size(), 0);
   const c10::Device device = params_[0].device();
   for (size_t i = 0; i < params_.size(); ++i) {
     DECENT_DP_CHECK_ARG(params_[i].device() == device, who, ": parameter '", names_[i], "' is on ",
@@ -246,9 +247,6 @@ void DataParallelCore::build_buckets() {
 
 void DataParallelCore::on_missing_gradient(size_t i) {
   exchange_->metrics().count("missing_gradients");
-  if (warned_missing_.empty()) {
-    warned_missing_.assign(params_.size(), 0);
-  }
   if (!warned_missing_[i]) {
     warned_missing_[i] = 1;
     DECENT_DP_LOG_WARN(detail::cat(

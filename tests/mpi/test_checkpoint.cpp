@@ -19,6 +19,7 @@
 #include "decent_dp/optim/factories.h"
 #include "decent_dp/quantize_codec.h"
 #include "mpi_test_util.h"
+#include "tied_net.h"
 
 using namespace decent_dp;
 using decent_dp::testing::comm;
@@ -195,35 +196,16 @@ TEST_CASE("resume is exact in gossip mode for every topology, saved mid-period",
   }
 }
 
-namespace {
-
-// A linear layer whose weight is used twice and registered twice ("dec_w"), as tied weights.
-struct TiedImpl : torch::nn::Module {
-  explicit TiedImpl(uint64_t seed) {
-    torch::manual_seed(seed);
-    enc = register_module("enc", torch::nn::Linear(50, 50));
-    head = register_module("head", torch::nn::Linear(50, 3));
-    register_parameter("dec_w", enc->weight);
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    const auto h = torch::tanh(enc(x.flatten(1)));
-    return head(torch::tanh(torch::nn::functional::linear(h, enc->weight)));
-  }
-  torch::nn::Linear enc{nullptr}, head{nullptr};
-};
-TORCH_MODULE(Tied);
-
-}  // namespace
-
 TEST_CASE("resume is exact with tied weights", "[checkpoint]") {
   Cleanup cleanup;
   const int n = comm().size();
   const std::string topo = n % 2 == 0 ? "ring" : "complete";
-  auto make = [&](Tied& net) {
-    return DecentralizedDataParallel<Tied>(net, options_for(topo), optim::adamw(), nullptr,
-                                           shared_comm());
+  using testing::TiedNet;  // the CNN's batches: 2 x 5 x 5 inputs, 3 outputs
+  auto make = [&](TiedNet& net) {
+    return DecentralizedDataParallel<TiedNet>(net, options_for(topo), optim::adamw(), nullptr,
+                                              shared_comm());
   };
-  Tied ref_net(7);
+  TiedNet ref_net(50, 3, 7);
   {
     auto ref = make(ref_net);
     train(ref, 0, 6);
@@ -231,12 +213,12 @@ TEST_CASE("resume is exact with tied weights", "[checkpoint]") {
   }
   const std::string dir = dir_for("tied");
   {
-    Tied first_net(7);
+    TiedNet first_net(50, 3, 7);
     auto first = make(first_net);
     train(first, 0, 3);
     first.save(dir);
   }
-  Tied net(99);
+  TiedNet net(50, 3, 99);
   auto resumed = make(net);
   resumed.load(dir);
   train(resumed, 3, 6);

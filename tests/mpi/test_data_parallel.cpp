@@ -15,6 +15,7 @@
 #include "mpi_test_util.h"
 #include "observing_sgd.h"
 #include "simulator.h"
+#include "tied_net.h"
 
 using namespace decent_dp;
 using decent_dp::testing::comm;
@@ -789,38 +790,24 @@ TEST_CASE("the wrapper is the module: names, parameters, buffers, train and eval
 
 namespace {
 
-// enc's weight used twice (an encoder and a tied decoder); with `register_twice` it is also
-// registered as "dec_w", as a model with tied weights lists it under both names.
-struct TiedNetImpl : torch::nn::Module {
-  explicit TiedNetImpl(bool register_twice) {
-    torch::manual_seed(44);
-    enc = register_module("enc", torch::nn::Linear(8, 8));
-    head = register_module("head", torch::nn::Linear(8, 4));
-    if (register_twice) {
-      register_parameter("dec_w", enc->weight);
-    }
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    const auto h = torch::tanh(enc(x));
-    return head(torch::tanh(torch::nn::functional::linear(h, enc->weight)));
-  }
-  torch::nn::Linear enc{nullptr}, head{nullptr};
-};
-TORCH_MODULE(TiedNet);
+// The MLP's batches: 8 inputs, 4 outputs.
+testing::TiedNet make_tied(bool register_twice) {
+  return testing::TiedNet(8, 4, 44, register_twice);
+}
 
 }  // namespace
 
 TEST_CASE("tied weights: a tensor registered under two names is one parameter", "[ddp]") {
   const int n = comm().size();
   const int rank = comm().rank();
-  TiedNet probe(true);
+  auto probe = make_tied(true);
   REQUIRE(probe->named_parameters().size() == 5);  // LibTorch lists the tied tensor twice
   const std::string topology = n % 2 == 0 ? "ring" : "complete";
   // Gossip: the same training as the model that registers the tensor once.
   auto gossip = [&](bool twice) {
-    TiedNet net(twice);
-    DecentralizedDataParallel<TiedNet> model(net, small_buckets(topology, 1),
-                                             optim::adamw(adamw_lr(1e-2)), nullptr, shared_comm());
+    auto net = make_tied(twice);
+    DecentralizedDataParallel<testing::TiedNet> model(
+        net, small_buckets(topology, 1), optim::adamw(adamw_lr(1e-2)), nullptr, shared_comm());
     for (int step = 0; step < 8; ++step) {
       auto b = batch_for(false, rank, step);
       torch::mse_loss(model.forward(b.x), b.y).backward();
@@ -836,13 +823,13 @@ TEST_CASE("tied weights: a tensor registered under two names is one parameter", 
     CHECK(relative_error(tied->named_parameters()[name], once->named_parameters()[name]) <= 1e-6);
   }
   // All-reduce: one process on the union of the batches, stepping each tensor once.
-  TiedNet net(true);
+  auto net = make_tied(true);
   optim::SgdFactoryOptions so;
   so.lr = 0.1;
   so.momentum = 0.9;
-  DistributedDataParallel<TiedNet> model(net, small_buckets("complete", 1), optim::sgd(so), nullptr,
-                                         shared_comm());
-  TiedNet single(true);
+  DistributedDataParallel<testing::TiedNet> model(net, small_buckets("complete", 1), optim::sgd(so),
+                                                  nullptr, shared_comm());
+  auto single = make_tied(true);
   torch::optim::SGD reference(std::vector<at::Tensor>{single->enc->weight, single->enc->bias,
                                                       single->head->weight, single->head->bias},
                               torch::optim::SGDOptions(0.1).momentum(0.9));
