@@ -4,8 +4,10 @@
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros_like.h>
+#include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "decent_dp/errors.h"
@@ -58,6 +60,19 @@ constexpr const char* variant_name(AdamVariant v) {
       return "AccumAdamW";
   }
   return "?";
+}
+
+// Note [float16 Adam state]: the moments live in the parameters' dtype, as in torch's fused
+// kernels. The second moment, (1 - beta2) g^2 after a first step, falls under float16's
+// smallest value (6e-8) for |g| < sqrt(6e-8 / (1 - beta2)) and is stored as 0 or nearly, so
+// that element moves by about lr * m / eps instead of lr. Said once per process.
+void warn_float16_state(const char* variant, double beta2, double eps) {
+  TORCH_WARN_ONCE(variant,
+                  " steps float16 parameters with its moments in float16: the second moment "
+                  "underflows for gradients under ",
+                  std::sqrt(6e-8 / (1 - beta2)),
+                  " in magnitude, and those elements then move by about lr * m / eps (eps = ", eps,
+                  "); train float32 parameters under autocast, or bfloat16 parameters");
 }
 
 // Contiguity aside: the callers pass contiguous tensors or memory-order views of alike ones.
@@ -167,6 +182,10 @@ at::Tensor AdamFamily<Options, kVariant>::step(LossClosure closure) {
     params_with_grads(group.params(), variant_name(kVariant), params, grads);
     if (params.empty()) {
       continue;
+    }
+    if (std::any_of(params.begin(), params.end(),
+                    [](const at::Tensor& p) { return p.scalar_type() == at::kHalf; })) {
+      warn_float16_state(variant_name(kVariant), std::get<1>(options.betas()), options.eps());
     }
     step_group(options, params, grads, flat_.lookup(gi, params, grads));
   }

@@ -20,12 +20,16 @@ void check_options(const SGDOptions& o) {
                       o.momentum(), " and dampening ", o.dampening());
 }
 
+// float16 and bfloat16 on the CPU are left to ATen operations: the CPU _fused_sgd_ of torch
+// 2.11 (and of 2.12 and 2.13, pytorch/pytorch#191763) leaves the elements of their vectorized
+// blocks unchanged, and its momentum path writes wrong buffers; tests/unit/test_optim.cpp
+// ("bfloat16 and float16 parameters step as the float32 formula, rounded") catches it.
 bool fused_kernel_supports(const at::Tensor& p, const at::Tensor& g, const at::Tensor& buf) {
   const auto dtype = p.scalar_type();
-  return (p.device().is_cpu() || p.device().is_cuda()) && p.is_contiguous() && g.is_contiguous() &&
-         (!buf.defined() || buf.is_contiguous()) && g.scalar_type() == dtype &&
-         (dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
-          dtype == at::kBFloat16);
+  const bool reduced = dtype == at::kHalf || dtype == at::kBFloat16;
+  return (p.device().is_cuda() || (p.device().is_cpu() && !reduced)) && p.is_contiguous() &&
+         g.is_contiguous() && (!buf.defined() || buf.is_contiguous()) && g.scalar_type() == dtype &&
+         (dtype == at::kFloat || dtype == at::kDouble || reduced);
 }
 
 // torch::optim::SGD's update with ATen operations. Returns the (new) momentum buffer.
