@@ -1,6 +1,7 @@
 #include "decent_dp/quantize_codec.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -189,8 +190,18 @@ std::string QuantizeCodec::name() const {
   return detail::cat("quantize(", bits_, " bit, chunk ", chunk_, ")");
 }
 
+namespace {
+
+// float16 and bfloat16 blocks are quantized through their (exact) float32 values.
+bool quantizable(c10::ScalarType dtype) {
+  return dtype == c10::kFloat || dtype == c10::kHalf || dtype == c10::kBFloat16;
+}
+
+}  // namespace
+
 int64_t QuantizeCodec::payload_numel(int64_t numel, c10::ScalarType dtype) const {
-  DECENT_DP_CHECK_ARG(dtype == c10::kFloat, name(), ": quantizes float32 blocks, got ",
+  DECENT_DP_CHECK_ARG(quantizable(dtype), name(),
+                      ": quantizes float32, float16 and bfloat16 blocks, got ",
                       c10::toString(dtype));
   return quantize::payload_bytes(numel, bits_, chunk_);
 }
@@ -202,8 +213,8 @@ c10::ScalarType QuantizeCodec::payload_dtype(c10::ScalarType /*dtype*/) const {
 void QuantizeCodec::encode(const at::Tensor& x, const at::Tensor& payload,
                            const CodecContext& ctx) {
   const int64_t n = x.numel();
-  DECENT_DP_CHECK_ARG(x.scalar_type() == c10::kFloat && x.is_contiguous(), name(),
-                      ": x must be a contiguous float32 block, got ",
+  DECENT_DP_CHECK_ARG(quantizable(x.scalar_type()) && x.is_contiguous(), name(),
+                      ": x must be a contiguous float32, float16 or bfloat16 block, got ",
                       c10::toString(x.scalar_type()));
   DECENT_DP_CHECK_ARG(payload.scalar_type() == c10::kByte && payload.is_contiguous() &&
                           payload.numel() == quantize::payload_bytes(n, bits_, chunk_),
@@ -213,12 +224,13 @@ void QuantizeCodec::encode(const at::Tensor& x, const at::Tensor& payload,
   if (n == 0) {
     return;
   }
-  const int64_t bad = quantize::encode(x.const_data_ptr<float>(), n, bits_, chunk_,
+  const at::Tensor values = x.scalar_type() == c10::kFloat ? x : x.to(c10::kFloat);
+  const int64_t bad = quantize::encode(values.const_data_ptr<float>(), n, bits_, chunk_,
                                        payload.mutable_data_ptr<uint8_t>());
   if (bad >= 0) {
     throw InvalidArgument(
         detail::cat(name(), ": bucket ", ctx.bucket, ", update ", ctx.update, ", rank ", ctx.rank,
-                    ": element ", bad, " of the block is ", x.const_data_ptr<float>()[bad],
+                    ": element ", bad, " of the block is ", values.const_data_ptr<float>()[bad],
                     "; quantization needs finite values (did training diverge?)"));
   }
 }
@@ -226,16 +238,24 @@ void QuantizeCodec::encode(const at::Tensor& x, const at::Tensor& payload,
 void QuantizeCodec::decode(const at::Tensor& payload, const at::Tensor& out,
                            const CodecContext& /*ctx*/) {
   const int64_t n = out.numel();
-  DECENT_DP_CHECK_ARG(out.scalar_type() == c10::kFloat && out.is_contiguous(), name(),
-                      ": out must be a contiguous float32 block");
+  DECENT_DP_CHECK_ARG(quantizable(out.scalar_type()) && out.is_contiguous(), name(),
+                      ": out must be a contiguous float32, float16 or bfloat16 block, got ",
+                      c10::toString(out.scalar_type()));
   DECENT_DP_CHECK_ARG(payload.numel() == quantize::payload_bytes(n, bits_, chunk_), name(),
                       ": the payload must be ", quantize::payload_bytes(n, bits_, chunk_),
                       " bytes for ", n, " elements, got ", payload.numel());
   if (n == 0) {
     return;
   }
+  if (out.scalar_type() == c10::kFloat) {
+    quantize::decode(payload.const_data_ptr<uint8_t>(), n, bits_, chunk_,
+                     out.mutable_data_ptr<float>());
+    return;
+  }
+  at::Tensor values = at::empty({n}, out.options().dtype(c10::kFloat));
   quantize::decode(payload.const_data_ptr<uint8_t>(), n, bits_, chunk_,
-                   out.mutable_data_ptr<float>());
+                   values.mutable_data_ptr<float>());
+  out.copy_(values.view_as(out));  // rounded to the block's dtype
 }
 
 }  // namespace decent_dp

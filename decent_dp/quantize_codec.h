@@ -16,7 +16,9 @@
 // 8 bits with chunks of 1024 send 25.2% of the float32 bytes, 4 bits 12.7%. NaN and Inf
 // have no code: a chunk holding one is an InvalidArgument naming the bucket, the update and
 // the element. Used as a Codec, the exchange never degrades a rank's own value (Note
-// [exchange seam]): only what its peers receive is quantized.
+// [exchange seam]): only what its peers receive is quantized. float16 and bfloat16 blocks
+// are quantized through their exact float32 values (the same payload as for those values),
+// and the receiver's x'_i is rounded to the block's dtype.
 #pragma once
 
 #include <cstdint>
@@ -45,7 +47,8 @@ class QuantizeCodec final : public Codec {
   std::string name() const override;
   int bits() const { return bits_; }
   int64_t chunk() const { return chunk_; }
-  // Blocks must be float32 (anything else is an InvalidArgument naming the dtype).
+  // Blocks must be float32, float16 or bfloat16 (anything else is an InvalidArgument naming
+  // the dtype).
   int64_t payload_numel(int64_t numel, c10::ScalarType dtype) const override;
   c10::ScalarType payload_dtype(c10::ScalarType dtype) const override;
   void encode(const at::Tensor& x, const at::Tensor& payload, const CodecContext& ctx) override;

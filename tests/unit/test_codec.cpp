@@ -110,12 +110,49 @@ TEST_CASE("quantization: NaN and infinity are refused naming the element", "[cod
   }
 }
 
+TEST_CASE("quantization: float16 and bfloat16 blocks travel as their float32 values", "[codec]") {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  for (auto dtype : {at::kHalf, at::kBFloat16}) {
+    for (int bits : {8, 4}) {
+      INFO(dtype << ", " << bits << " bits");
+      QuantizeCodec codec(bits, 64);
+      const at::Tensor x = at::randn({1000}, gen).to(dtype);
+      const at::Tensor exact = x.to(at::kFloat);
+      const int64_t bytes = codec.payload_numel(1000, dtype);
+      CHECK(bytes == codec.payload_numel(1000, at::kFloat));
+      at::Tensor payload = at::empty({bytes}, at::kByte);
+      at::Tensor reference = at::empty({bytes}, at::kByte);
+      codec.encode(x, payload, CodecContext{});
+      codec.encode(exact, reference, CodecContext{});
+      CHECK(payload.equal(reference));
+      at::Tensor out = at::empty_like(x);
+      codec.decode(payload, out, CodecContext{});
+      at::Tensor out_float = at::empty({1000});
+      codec.decode(reference, out_float, CodecContext{});
+      CHECK(out.scalar_type() == dtype);
+      CHECK(out.equal(out_float.to(dtype)));
+      // Within half a step per chunk plus the dtype's rounding.
+      const double eps = dtype == at::kHalf ? 1.0 / 1024 : 1.0 / 128;
+      check_bound(exact, out_float, bits, 64);
+      CHECK((out.to(at::kFloat) - out_float).abs().max().item<double>() <=
+            eps * out_float.abs().max().item<double>());
+    }
+  }
+  // NaN in a low-precision block is named like in float32.
+  QuantizeCodec codec(8, 4);
+  at::Tensor x = at::zeros({10}, at::kBFloat16);
+  x[3] = std::numeric_limits<float>::quiet_NaN();
+  at::Tensor payload = at::empty({codec.payload_numel(10, at::kBFloat16)}, at::kByte);
+  CHECK_THROWS_WITH(codec.encode(x, payload, CodecContext{1, 2, 0}),
+                    Catch::Contains("element 3 of the block is nan"));
+}
+
 TEST_CASE("quantization: bad settings, dtypes and buffers are refused", "[codec]") {
   CHECK_THROWS_WITH(QuantizeCodec(2, 64), Catch::Contains("bits must be 8 or 4, got 2"));
   CHECK_THROWS_WITH(QuantizeCodec(8, 0), Catch::Contains("chunk must be >= 1 element, got 0"));
   QuantizeCodec codec;
   CHECK_THROWS_WITH(codec.payload_numel(10, at::kDouble),
-                    Catch::Contains("quantizes float32 blocks, got Double"));
+                    Catch::Contains("quantizes float32, float16 and bfloat16 blocks, got Double"));
   at::Tensor x = at::zeros({10});
   at::Tensor small = at::empty({5}, at::kByte);
   CHECK_THROWS_WITH(codec.encode(x, small, CodecContext{}),
