@@ -211,6 +211,27 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("error compensation: float16 and bfloat16 blocks converge to the block",
+          "[codec][compensated]") {
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    INFO(dtype);
+    torch::manual_seed(3);
+    auto sender = compensated(4);
+    auto receiver = compensated(4);
+    const at::Tensor x = torch::randn({1000}).to(dtype);
+    QuantizeCodec plain(4, 64);
+    at::Tensor got = send(*sender, *receiver, x);
+    CHECK(torch::equal(got, round_trip(plain, x.to(at::kFloat)).to(dtype)));  // x itself coded
+    for (int t = 0; t < 8; ++t) {
+      got = send(*sender, *receiver, x);
+    }
+    REQUIRE(sender->state().size() == 1);
+    CHECK(torch::equal(receiver->state()[0].second, sender->state()[0].second));
+    CHECK(got.scalar_type() == dtype);
+    CHECK(torch::equal(got, x));  // converged to the block's own values
+  }
+}
+
 TEST_CASE("error compensation: a drifting block stays within one code of its change",
           "[codec][compensated]") {
   torch::manual_seed(4);
