@@ -224,15 +224,28 @@ void QuantizeCodec::encode(const at::Tensor& x, const at::Tensor& payload,
   if (n == 0) {
     return;
   }
-  const at::Tensor values = x.scalar_type() == c10::kFloat ? x : x.to(c10::kFloat);
-  const int64_t bad = quantize::encode(values.const_data_ptr<float>(), n, bits_, chunk_,
-                                       payload.mutable_data_ptr<uint8_t>());
+  const float* values = nullptr;
+  if (x.scalar_type() == c10::kFloat) {
+    values = x.const_data_ptr<float>();
+  } else {
+    values = float_values(n);
+    values_.narrow(0, 0, n).copy_(x.reshape({-1}));
+  }
+  const int64_t bad =
+      quantize::encode(values, n, bits_, chunk_, payload.mutable_data_ptr<uint8_t>());
   if (bad >= 0) {
     throw InvalidArgument(
         detail::cat(name(), ": bucket ", ctx.bucket, ", update ", ctx.update, ", rank ", ctx.rank,
-                    ": element ", bad, " of the block is ", values.const_data_ptr<float>()[bad],
+                    ": element ", bad, " of the block is ", values[bad],
                     "; quantization needs finite values (did training diverge?)"));
   }
+}
+
+float* QuantizeCodec::float_values(int64_t n) {
+  if (!values_.defined() || values_.numel() < n) {
+    values_ = at::empty({n}, at::TensorOptions().dtype(c10::kFloat));
+  }
+  return values_.mutable_data_ptr<float>();
 }
 
 void QuantizeCodec::decode(const at::Tensor& payload, const at::Tensor& out,
@@ -252,10 +265,8 @@ void QuantizeCodec::decode(const at::Tensor& payload, const at::Tensor& out,
                      out.mutable_data_ptr<float>());
     return;
   }
-  at::Tensor values = at::empty({n}, out.options().dtype(c10::kFloat));
-  quantize::decode(payload.const_data_ptr<uint8_t>(), n, bits_, chunk_,
-                   values.mutable_data_ptr<float>());
-  out.copy_(values.view_as(out));  // rounded to the block's dtype
+  quantize::decode(payload.const_data_ptr<uint8_t>(), n, bits_, chunk_, float_values(n));
+  out.copy_(values_.narrow(0, 0, n).view_as(out));  // rounded to the block's dtype
 }
 
 }  // namespace decent_dp

@@ -55,8 +55,13 @@ class QuantizeCodec final : public Codec {
   void decode(const at::Tensor& payload, const at::Tensor& out, const CodecContext& ctx) override;
 
  private:
+  // The float32 values of a float16 or bfloat16 block, kept between calls (it is the block's
+  // size, and a codec runs every exchange; a codec serves one exchange at a time).
+  float* float_values(int64_t n);
+
   int bits_;
   int64_t chunk_;
+  at::Tensor values_;
 };
 
 }  // namespace decent_dp

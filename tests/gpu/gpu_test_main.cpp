@@ -36,15 +36,14 @@ int main(int argc, char** argv) {
     std::printf("skipped: a CUDA device is seen, and the GPU tests run on it (test_gpu)\n");
     return 77;
   }
-  const bool on_cpu = gpus == 0 && stand_in_asked;
-  if (gpus == 0 && !on_cpu) {
+  if (gpus == 0 && !stand_in_asked) {
     std::printf("skipped: this process sees no CUDA device (the GPU tests need one)\n");
     return 77;
   }
   at::set_num_threads(1);
   auto& comm = decent_dp::testing::comm();
   if (comm.rank() == 0) {
-    if (on_cpu) {
+    if (gpus == 0) {
       std::printf(
           "no CUDA device: the CPU stands in for the GPU (%d rank(s)); the NCCL, "
           "stream and GPU-only cases are skipped\n",

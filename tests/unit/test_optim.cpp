@@ -42,6 +42,7 @@ struct FlatParams {
   std::vector<at::Tensor> params;
 };
 
+// The blocks take the dtype of `like`.
 FlatParams make_flat(const std::vector<at::Tensor>& like) {
   FlatParams f;
   int64_t total = 0;
@@ -50,8 +51,9 @@ FlatParams make_flat(const std::vector<at::Tensor>& like) {
     offsets.push_back(total);
     total += (p.numel() + 31) / 32 * 32;
   }
-  f.param_block = torch::zeros({total});
-  f.grad_block = torch::zeros({total});
+  const auto options = at::TensorOptions().dtype(like.front().scalar_type());
+  f.param_block = torch::zeros({total}, options);
+  f.grad_block = torch::zeros({total}, options);
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < like.size(); ++i) {
     auto view = f.param_block.narrow(0, offsets[i], like[i].numel()).view(like[i].sizes());
@@ -572,27 +574,14 @@ TEST_CASE("bfloat16 and float16 parameters step as the float32 formula, rounded"
         INFO(name << " " << dtype << (flat ? ", flat" : ", per tensor"));
         torch::manual_seed(9);
         std::vector<at::Tensor> ref, low;
-        int64_t total = 0;
         for (auto n : sizes) {
           ref.push_back(torch::randn({n}).to(dtype).to(at::kFloat).requires_grad_(true));
-          total += (n + 31) / 32 * 32;
+          low.push_back(ref.back().detach().to(dtype).requires_grad_(true));
         }
-        at::Tensor block = torch::zeros({total}, dtype);
-        int64_t offset = 0;
+        if (flat) {
+          low = make_flat(low).params;  // views of one block of the dtype
+        }
         torch::NoGradGuard no_grad;
-        for (const auto& r : ref) {
-          at::Tensor p;
-          if (flat) {
-            auto view = block.narrow(0, offset, r.numel());
-            view.copy_(r);
-            p = torch::empty({0}, dtype);
-            p.set_data(view);
-            offset += (r.numel() + 31) / 32 * 32;
-          } else {
-            p = r.detach().to(dtype);
-          }
-          low.push_back(p.requires_grad_(true));
-        }
         auto opt_ref = make(ref);
         auto opt_low = make(low);
         for (int step = 0; step < 10; ++step) {
