@@ -128,6 +128,12 @@ class DeviceReport(unittest.TestCase):
         self.assertEqual(r.returncode, 2)
         self.assertIn("no row for case 'decent_dp AdamW (flat)'", r.stderr)
 
+        for bad in ({"rows": 3}, [1, 2], {"rows": [1]}):
+            r = self.report(self.folder(bad, self.step))
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn("optim_bench.json: ", r.stderr)
+            self.assertNotIn("Traceback", r.stderr)
+
 
 if __name__ == "__main__":
     unittest.main()
