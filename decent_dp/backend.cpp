@@ -3,6 +3,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -11,6 +12,7 @@
 #include "decent_dp/errors.h"
 #include "decent_dp/logging.h"
 #include "decent_dp/mpi_communicator.h"
+#include "decent_dp/routed_communicator.h"
 #include "decent_dp/staged_communicator.h"
 #if DECENT_DP_HAVE_NCCL
 #include "decent_dp/nccl_communicator.h"
@@ -38,6 +40,21 @@ c10::Device local_device(const Communicator& comm) {
 }
 
 namespace detail {
+
+c10::Device route_device(const c10::Device& device) {
+  return device.is_cpu() ? c10::Device(c10::kCPU) : device;
+}
+
+std::vector<c10::Device> distinct_devices(const std::vector<at::Tensor>& tensors) {
+  std::vector<c10::Device> out;
+  for (const auto& t : tensors) {
+    const c10::Device d = route_device(t.device());
+    if (std::find(out.begin(), out.end(), d) == out.end()) {
+      out.push_back(d);
+    }
+  }
+  return out;
+}
 
 std::vector<std::string> rank_devices(Communicator& control, int device_index) {
   constexpr int64_t kWidth = 256;
@@ -123,6 +140,25 @@ std::shared_ptr<Communicator> communicator_for_device(
   }
   cache[key] = made;
   return made;
+}
+
+std::shared_ptr<Communicator> communicator_for_devices(
+    const std::vector<c10::Device>& devices, const std::shared_ptr<Communicator>& control) {
+  DECENT_DP_CHECK_ARG(!devices.empty(), "communicator_for_devices: devices must not be empty");
+  std::vector<RoutedCommunicator::Route> routes;
+  for (const auto& device : devices) {
+    routes.emplace_back(detail::route_device(device), communicator_for_device(device, control));
+  }
+  if (routes.size() == 1) {
+    return routes[0].second;
+  }
+  auto routed = std::make_shared<RoutedCommunicator>(control, std::move(routes));
+  if (control->rank() == 0) {
+    DECENT_DP_LOG_INFO(detail::cat("tensors on ", devices.size(),
+                                   " devices; each exchanges through its own communicator (",
+                                   routed->describe(), ")"));
+  }
+  return routed;
 }
 
 }  // namespace decent_dp

@@ -73,18 +73,6 @@ DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
   }
   DECENT_DP_CHECK_ARG(!params_.empty(), who, ": the module has no parameters");
   warned_missing_.assign(params_.size(), 0);
-  const c10::Device device = params_[0].device();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    DECENT_DP_CHECK_ARG(params_[i].device() == device, who, ": parameter '", names_[i], "' is on ",
-                        params_[i].device().str(), ", parameter '", names_[0], "' on ",
-                        device.str(), "; every parameter must be on one device");
-  }
-  DECENT_DP_CHECK_ARG(device.is_cpu() || (!options_.codec && !options_.aggregator), who,
-                      ": codecs and aggregators run on CPU buckets, and the parameters are on ",
-                      device.str(),
-                      "; leave both null on a GPU (the mean is the all-reduce fast path)");
-  data_ = communicator_for_device(device, control_);
-
   NamedTensors items;
   for (size_t i = 0; i < params_.size(); ++i) {
     items.emplace_back(names_[i], params_[i]);
@@ -94,7 +82,17 @@ DataParallelCore::DataParallelCore(std::shared_ptr<torch::nn::Module> module,
     items.emplace_back("buffer " + b.key(), b.value());
     state.push_back(b.value());
   }
+  // Buckets group by (dtype, device); a model on several devices exchanges each bucket on
+  // its device's communicator (Note [routed communicator]).
+  const std::vector<c10::Device> devices = detail::distinct_devices(state);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    DECENT_DP_CHECK_ARG(params_[i].device().is_cpu() || (!options_.codec && !options_.aggregator),
+                        who, ": codecs and aggregators run on CPU buckets, and parameter '",
+                        names_[i], "' is on ", params_[i].device().str(),
+                        "; leave both null on a GPU (the mean is the all-reduce fast path)");
+  }
   check_same_model(*control_, items);
+  data_ = communicator_for_devices(devices, control_);
   broadcast_from_rank0(*data_, state);
 
   // Note [gradients in place]: only the all-reduce and the Gaussian mechanism need the
@@ -191,7 +189,7 @@ void DataParallelCore::before_forward() {
 }
 
 void DataParallelCore::build_buckets() {
-  const auto& order = ready_->first_order();
+  std::vector<size_t> order = ready_->first_order();
   // Every rank holds the same model (checked at construction), so all refuse alike here,
   // before the collective below.
   for (size_t i : order) {
@@ -203,7 +201,15 @@ void DataParallelCore::build_buckets() {
                         "gradients (an Embedding or EmbeddingBag built with sparse(true)? build "
                         "it with sparse(false))");
   }
-  check_same_order(*control_, order, params_, names_);
+  bool differs = false;
+  order = agree_first_order(*control_, order, params_, names_, &differs);
+  if (differs) {
+    DECENT_DP_LOG_INFO(detail::cat(
+        who_, ": rank ", control_->rank(),
+        "'s gradients became ready in another order than rank 0's in the first iteration; "
+        "the buckets follow rank 0's (Note [gradient order across ranks])"));
+  }
+  ready_->restore_first_order(order);
   // Parameters that never received a gradient are left out, with one warning each.
   std::vector<char> seen(params_.size(), 0);
   for (size_t i : order) {

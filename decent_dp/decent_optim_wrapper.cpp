@@ -86,14 +86,12 @@ DecentOptimWrapper::DecentOptimWrapper(std::shared_ptr<torch::optim::Optimizer> 
       params.push_back(group.params()[j]);
       names.push_back(name);
       items.emplace_back(names.back(), params.back());
-      DECENT_DP_CHECK_ARG(params.back().device() == params[0].device(),
-                          "DecentOptimWrapper: ", names.back(), " is on ",
-                          params.back().device().str(), ", the first parameter on ",
-                          params[0].device().str(), "; every parameter must be on one device");
     }
   }
-  data_ = communicator_for_device(params[0].device(), control_);
+  // Buckets group by (dtype, device); parameters on several devices exchange each bucket on
+  // its device's communicator (Note [routed communicator]).
   check_same_model(*control_, items);
+  data_ = communicator_for_devices(detail::distinct_devices(params), control_);
   at::NoGradGuard no_grad;
   // The inner optimizer steps the gradients where they are (Note [gradients in place]).
   binding_ = make_param_binding(/*as_view=*/true, /*grads_in_block=*/false);

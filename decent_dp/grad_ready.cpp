@@ -93,6 +93,7 @@ void GradReady::reset_counting() {
 }
 
 void GradReady::on_ready(size_t i) {
+  std::lock_guard<std::mutex> lock(mutex_);
   if (!armed_) {
     if (handlers_.stray_backward_is_error()) {
       throw Error(
@@ -138,6 +139,7 @@ void GradReady::on_ready(size_t i) {
 }
 
 void GradReady::end_of_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
   callback_queued_ = false;
   armed_ = false;
   backward_done_ = true;

@@ -6,6 +6,12 @@
 // not all arrive. In iteration 1 there are no buckets yet: the hooks record the order in
 // which gradients became ready, and the end of that backward builds the buckets from it.
 //
+// Threads: the autograd engine runs CPU nodes on the thread that called backward() and each
+// GPU's nodes on a worker of its own, so the hooks of a model on several devices fire from
+// several threads at once. One mutex serialises the hooks and the end of backward: buckets
+// are still handed on one at a time, strictly in bucket order, whichever thread completes
+// them.
+//
 // Failure: an exception raised while a bucket is handed on (a timed-out exchange, a
 // throwing optimizer) propagates out of backward and is remembered: every later arm()
 // rethrows it ("an earlier backward failed: <original message>"), since the buckets'
@@ -18,6 +24,7 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -65,8 +72,8 @@ class GradReady {
                    std::vector<size_t> sizes);
   // The order of iteration 1 (parameter indices).
   const std::vector<size_t>& first_order() const { return first_order_; }
-  // A checkpoint's resume, before any backward: iteration 1's order as recorded then (the
-  // caller builds the buckets from it and calls set_buckets()).
+  // Before the buckets exist: iteration 1's order as agreed across ranks, or as a checkpoint
+  // recorded it (the caller builds the buckets from it and calls set_buckets()).
   void restore_first_order(std::vector<size_t> order);
   // Throws the stored failure, if any.
   void check_not_failed() const;
@@ -89,6 +96,7 @@ class GradReady {
   std::vector<size_t> sizes_;
   bool have_buckets_ = false;
 
+  std::mutex mutex_;  // held by on_ready() and end_of_backward()
   std::vector<char> ready_;
   std::vector<size_t> pending_;
   size_t next_bucket_ = 0;

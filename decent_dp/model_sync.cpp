@@ -9,6 +9,7 @@
 #include <functional>
 #include <sstream>
 
+#include "decent_dp/backend.h"
 #include "decent_dp/errors.h"
 
 namespace decent_dp {
@@ -38,7 +39,11 @@ std::vector<int64_t> allgather_scalar(Communicator& comm, int64_t v) {
   return out;
 }
 
-int64_t signature_of(const std::string& name, const at::Tensor& t) {
+// `ordinal`: the entry's device among this rank's devices in order of first appearance
+// (detail::distinct_devices). Ranks differ in device indices (cuda:<local rank>), not in
+// types or in which entries share a device: each device's communicator and buckets pair up
+// across ranks by that position.
+int64_t signature_of(const std::string& name, const at::Tensor& t, size_t ordinal) {
   uint64_t h = std::hash<std::string>{}(name);
   auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ULL; };
   for (int64_t s : t.sizes()) {
@@ -46,6 +51,8 @@ int64_t signature_of(const std::string& name, const at::Tensor& t) {
   }
   mix(static_cast<uint64_t>(t.scalar_type()));
   mix(static_cast<uint64_t>(t.requires_grad()));
+  mix(static_cast<uint64_t>(t.device().type()));
+  mix(static_cast<uint64_t>(ordinal));
   return static_cast<int64_t>(h);
 }
 
@@ -53,8 +60,10 @@ int64_t signature_of(const std::string& name, const at::Tensor& t) {
 constexpr size_t kMaxDims = 8;
 constexpr size_t kNameWords = 8;  // the first 64 characters of the name
 
-std::vector<int64_t> describe(const std::string& name, const at::Tensor& t) {
-  std::vector<int64_t> d(3 + kMaxDims + kNameWords, 0);
+constexpr size_t kDeviceField = 3 + kMaxDims + kNameWords;  // device type, then ordinal
+
+std::vector<int64_t> describe(const std::string& name, const at::Tensor& t, size_t ordinal) {
+  std::vector<int64_t> d(kDeviceField + 2, 0);
   d[0] = static_cast<int64_t>(t.scalar_type());
   d[1] = t.requires_grad() ? 1 : 0;
   d[2] = t.dim();
@@ -62,6 +71,8 @@ std::vector<int64_t> describe(const std::string& name, const at::Tensor& t) {
     d[3 + i] = t.size(static_cast<int64_t>(i));
   }
   std::memcpy(&d[3 + kMaxDims], name.data(), std::min(name.size(), kNameWords * 8));
+  d[kDeviceField] = static_cast<int64_t>(t.device().type());
+  d[kDeviceField + 1] = static_cast<int64_t>(ordinal);
   return d;
 }
 
@@ -77,7 +88,9 @@ std::string describe_text(const std::vector<int64_t>& d) {
     os << ", ...";
   }
   os << "] " << c10::toString(static_cast<c10::ScalarType>(d[0]))
-     << (d[1] ? " requires_grad" : " no grad");
+     << (d[1] ? " requires_grad" : " no grad") << " on "
+     << c10::DeviceTypeName(static_cast<c10::DeviceType>(d[kDeviceField]), /*lower_case=*/true)
+     << " (its device #" << d[kDeviceField + 1] << ")";
   return os.str();
 }
 
@@ -91,9 +104,19 @@ void check_same_model(Communicator& control, const NamedTensors& items) {
                                         " parameters and buffers, rank ", r, " has ", counts[r]));
     }
   }
+  std::vector<at::Tensor> tensors;
+  for (const auto& item : items) {
+    tensors.push_back(item.second);
+  }
+  const auto devices = detail::distinct_devices(tensors);
+  auto ordinal_of = [&devices](const at::Tensor& t) {
+    return static_cast<size_t>(
+        std::find(devices.begin(), devices.end(), detail::route_device(t.device())) -
+        devices.begin());
+  };
   std::vector<int64_t> sig;
   for (const auto& [name, t] : items) {
-    sig.push_back(signature_of(name, t));
+    sig.push_back(signature_of(name, t, ordinal_of(t)));
   }
   const auto rows = allgather_rows(control, sig);
   for (size_t k = 0; k < items.size(); ++k) {
@@ -102,11 +125,14 @@ void check_same_model(Communicator& control, const NamedTensors& items) {
         continue;
       }
       // Every rank found the same first mismatch: gather that entry's description.
-      const auto described = allgather_rows(control, describe(items[k].first, items[k].second));
+      const auto described = allgather_rows(
+          control, describe(items[k].first, items[k].second, ordinal_of(items[k].second)));
       throw InvalidArgument(detail::cat(
           "the model differs across ranks at entry ", k, ": rank 0 has ",
           describe_text(described[0]), ", rank ", r, " has ", describe_text(described[r]),
-          " (names, shapes, dtypes and order of parameters and buffers must be identical)"));
+          " (names, shapes, dtypes, device types and order of parameters and buffers must be "
+          "identical, and so must which of them share a device; device #k is a rank's k-th "
+          "device in order of first use)"));
     }
   }
 }
@@ -133,9 +159,18 @@ void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& ten
   }
 }
 
-void check_same_order(Communicator& control, const std::vector<size_t>& order,
-                      const std::vector<at::Tensor>& params,
-                      const std::vector<std::string>& names) {
+// Note [gradient order across ranks]
+// Iteration 1's gradient-ready order decides the buckets, and every rank must build the
+// same buckets. The order can differ across ranks without anything being wrong: a model on
+// several devices gets its gradients from one autograd thread per device (the caller's for
+// CPU tensors, a worker per GPU), whose interleaving varies from run to run; rank-dependent
+// control flow reorders them too. So every rank takes rank 0's order, as torch DDP takes
+// rank 0's bucket assignment; only a different set of parameters is an error. A rank whose
+// gradients then arrive in another order overlaps less (a bucket waits for its predecessors,
+// Note [gradient-ready bookkeeping]); its collectives still match its peers'.
+std::vector<size_t> agree_first_order(Communicator& control, const std::vector<size_t>& order,
+                                      const std::vector<at::Tensor>& params,
+                                      const std::vector<std::string>& names, bool* differs) {
   const auto counts = allgather_scalar(control, static_cast<int64_t>(order.size()));
   for (int r = 0; r < control.size(); ++r) {
     if (counts[r] != counts[0]) {
@@ -147,23 +182,39 @@ void check_same_order(Communicator& control, const std::vector<size_t>& order,
                       "every rank"));
     }
   }
-  std::vector<int64_t> mine;
-  for (size_t i : order) {
-    mine.push_back(static_cast<int64_t>(i));
-    mine.push_back(params[i].numel());
-  }
+  std::vector<int64_t> mine(order.begin(), order.end());
   const auto rows = allgather_rows(control, mine);
+  auto sorted = [](std::vector<int64_t> v) {
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  const auto reference = sorted(rows[0]);
   for (int r = 1; r < control.size(); ++r) {
-    for (size_t k = 0; k < mine.size(); ++k) {
-      if (rows[r][k] != rows[0][k]) {
-        const size_t pos = k / 2;
-        throw Error(detail::cat(
-            "gradients became ready in a different order on rank ", r, " than on rank 0: position ",
-            pos, " is parameter #", rows[r][2 * pos], " ('", names[rows[r][2 * pos]], "') on rank ",
-            r, " and #", rows[0][2 * pos], " ('", names[rows[0][2 * pos]], "') on rank 0"));
-      }
+    const auto theirs = sorted(rows[r]);
+    const auto [a, b] = std::mismatch(reference.begin(), reference.end(), theirs.begin());
+    if (a != reference.end()) {
+      // The smaller index is the one the other rank lacks.
+      const bool rank0_only = *a < *b;
+      const int64_t i = rank0_only ? *a : *b;
+      throw Error(detail::cat(
+          "ranks disagree on the parameters that received gradients in the first iteration: "
+          "parameter #",
+          i, " ('", i < static_cast<int64_t>(names.size()) ? names[i] : std::string("?"),
+          "') received one on rank ", rank0_only ? 0 : r, " and not on rank ", rank0_only ? r : 0,
+          "; the first iteration must use every parameter the same way on every rank"));
     }
   }
+  std::vector<size_t> agreed;
+  for (int64_t i : rows[0]) {
+    DECENT_DP_CHECK_ARG(i >= 0 && i < static_cast<int64_t>(params.size()),
+                        "agree_first_order: parameter index ", i, " out of range [0, ",
+                        params.size(), ")");
+    agreed.push_back(static_cast<size_t>(i));
+  }
+  if (differs != nullptr) {
+    *differs = agreed != order;
+  }
+  return agreed;
 }
 
 }  // namespace decent_dp

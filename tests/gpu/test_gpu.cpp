@@ -5,7 +5,9 @@
 // - both wrappers on CUDA parameters against the same training on the CPU, through NCCL or,
 //   when ranks share a GPU, through the MPI backend with host staging;
 // - the fused optimizers on CUDA against the CPU;
-// - bfloat16 and float16 parameters and buckets, end to end.
+// - bfloat16 and float16 parameters and buckets, end to end;
+// - a model on the CPU and the GPU at once: its CPU buckets exchange through MPI, its CUDA
+//   buckets through NCCL (or host staging), against the same model all on the CPU.
 // Where no GPU exists, DECENT_DP_GPU_TESTS_ON_CPU=1 runs the cases that need no CUDA with the
 // CPU standing in for the GPU (ctest's test_gpu_cpu_standin): their comparisons, tolerances
 // and low-precision runs are then checked on every CI run, not first on a lent GPU.
@@ -22,6 +24,7 @@
 #include "decent_dp/distributed_data_parallel.h"
 #include "decent_dp/optim/factories.h"
 #include "decent_dp/quantize_codec.h"
+#include "decent_dp/routed_communicator.h"
 #include "decent_dp/staged_communicator.h"
 #include "decent_dp/topology/topology.h"
 #include "mpi/mpi_test_util.h"
@@ -109,6 +112,58 @@ torch::nn::Sequential train_on(const c10::Device& device, bool gossip, at::Scala
   }
   net->to(torch::kCPU, torch::kFloat);
   return net;
+}
+
+// make_mlp()'s layers and initial values, the first layer on `head` and the others on
+// `tail`: a model on two devices (an input layer kept on the CPU, the rest on a GPU).
+struct SplitMlpImpl : torch::nn::Module {
+  SplitMlpImpl(const c10::Device& head, const c10::Device& tail) : head_(head), tail_(tail) {
+    auto mlp = make_mlp();
+    a = register_module("a", torch::nn::Linear(mlp->ptr<torch::nn::LinearImpl>(0)));
+    b = register_module("b", torch::nn::Linear(mlp->ptr<torch::nn::LinearImpl>(2)));
+    c = register_module("c", torch::nn::Linear(mlp->ptr<torch::nn::LinearImpl>(4)));
+    a->to(head);
+    b->to(tail);
+    c->to(tail);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = torch::relu(a(x.to(head_)));
+    return c(torch::tanh(b(h.to(tail_))));
+  }
+  c10::Device head_, tail_;
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+};
+TORCH_MODULE(SplitMlp);
+
+// Trains SplitMlp(head, tail) with either wrapper; returns its parameters on the CPU and the
+// consensus distance before the final global average (gossip; 0 for the all-reduce).
+std::pair<std::vector<at::Tensor>, double> train_split(const c10::Device& head,
+                                                       const c10::Device& tail, bool gossip,
+                                                       int steps) {
+  SplitMlp net(head, tail);
+  auto options = small_buckets(comm().size() % 2 == 0 ? "ring" : "complete");
+  double distance = 0.0;
+  auto loop = [&](auto& model) {
+    for (int step = 0; step < steps; ++step) {
+      auto [x, y] = batch_for(comm().rank(), step);
+      torch::mse_loss(model.forward(x), y.to(tail)).backward();
+    }
+    model.synchronize();
+  };
+  if (gossip) {
+    DecentralizedDataParallel<SplitMlp> model(net, options, optim::adamw(), nullptr, shared_comm());
+    loop(model);
+    distance = model.consensus_distance();
+    model.global_avg(/*will_revert=*/false);
+  } else {
+    DistributedDataParallel<SplitMlp> model(net, options, optim::adamw(), nullptr, shared_comm());
+    loop(model);
+  }
+  std::vector<at::Tensor> out;
+  for (const auto& p : net->parameters()) {
+    out.push_back(p.detach().to(torch::kCPU));
+  }
+  return {out, distance};
 }
 
 }  // namespace
@@ -337,4 +392,60 @@ TEST_CASE("codecs and robust aggregators on GPU parameters are refused, named", 
   CHECK_THROWS_WITH((DecentralizedDataParallel<torch::nn::Sequential>(net, options, optim::adamw(),
                                                                       nullptr, shared_comm())),
                     Catch::Contains("codecs and aggregators run on CPU buckets"));
+}
+
+TEST_CASE("a model on the CPU and the GPU: each bucket exchanges on its device's communicator",
+          "[gpu][ddp][mixed]") {
+  // The first layer on the CPU, the others on the GPU: its buckets are CPU buckets (MPI) and
+  // CUDA buckets (NCCL, or MPI with host staging where ranks share a GPU), in one model.
+  const c10::Device cpu(c10::kCPU);
+  const c10::Device dev = my_device();
+  if (!cpu_stand_in()) {
+    auto data = communicator_for_devices({cpu, dev}, shared_comm());
+    auto* routed = dynamic_cast<RoutedCommunicator*>(data.get());
+    REQUIRE(routed != nullptr);
+    CHECK(routed->find(cpu) == &comm());
+    Communicator* cuda = routed->find(dev);
+    REQUIRE(cuda != nullptr);
+    CHECK(cuda->backend() ==
+          (own_gpu_per_rank() && has_nccl_backend() ? Backend::kNccl : Backend::kMpi));
+    INFO("routes: " << routed->describe());
+  }
+  for (bool gossip : {true, false}) {
+    INFO((gossip ? "gossip" : "all-reduce"));
+    const auto [ref, ref_distance] = train_split(cpu, cpu, gossip, 10);
+    const auto [mixed, mixed_distance] = train_split(cpu, dev, gossip, 10);
+    REQUIRE(mixed.size() == ref.size());
+    for (size_t k = 0; k < ref.size(); ++k)
+      CHECK(max_rel(mixed[k], ref[k]) <= 1e-4);
+    CHECK(mixed_distance == Approx(ref_distance).epsilon(1e-3).margin(1e-9));
+    if (gossip && comm().size() > 1) {
+      CHECK(ref_distance > 0);  // the ranks had drifted apart before the global average
+    }
+  }
+  // The optimizer wrapper over the same split parameters.
+  auto run = [&](const c10::Device& tail) {
+    SplitMlp net(cpu, tail);
+    auto inner =
+        std::make_shared<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(1e-3));
+    const int n = comm().size();
+    DecentOptimWrapper opt(inner, comm().rank(), n, 1, n % 2 == 0 ? "ring" : "complete",
+                           4096.0 / (1 << 20), shared_comm());
+    for (int step = 0; step < 8; ++step) {
+      auto [x, y] = batch_for(comm().rank(), step);
+      opt.zero_grad();
+      torch::mse_loss(net->forward(x), y.to(tail)).backward();
+      opt.step();
+    }
+    opt.global_avg(false);
+    std::vector<at::Tensor> out;
+    for (const auto& p : net->parameters()) {
+      out.push_back(p.detach().to(torch::kCPU));
+    }
+    return out;
+  };
+  const auto ref = run(cpu);
+  const auto mixed = run(dev);
+  for (size_t k = 0; k < ref.size(); ++k)
+    CHECK(max_rel(mixed[k], ref[k]) <= 1e-4);
 }

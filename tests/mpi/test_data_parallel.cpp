@@ -624,6 +624,35 @@ struct BranchNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(BranchNet);
 
+// Two branches summed; `f_first` decides which branch the forward builds first, and so
+// which branch's gradients autograd produces first (it runs later-built nodes first).
+// `use` limits the forward to one branch ('f' or 'g'; 0: both).
+struct TwoBranchImpl : torch::nn::Module {
+  TwoBranchImpl() {
+    torch::manual_seed(45);
+    f = register_module("f", torch::nn::Linear(8, 4));
+    g = register_module("g", torch::nn::Linear(8, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    if (use != 0) {
+      return use == 'f' ? f->forward(x) : g->forward(torch::tanh(x));
+    }
+    at::Tensor a, b;
+    if (f_first) {
+      a = f->forward(x);
+      b = g->forward(torch::tanh(x));
+    } else {
+      b = g->forward(torch::tanh(x));
+      a = f->forward(x);
+    }
+    return a + b;
+  }
+  bool f_first = true;
+  char use = 0;
+  torch::nn::Linear f{nullptr}, g{nullptr};
+};
+TORCH_MODULE(TwoBranch);
+
 }  // namespace
 
 TEST_CASE("unused parameters: a data-dependent branch and a layer never used", "[ddp]") {
@@ -673,6 +702,78 @@ TEST_CASE("unused parameters: a data-dependent branch and a layer never used", "
   }
   BranchNet fresh;
   CHECK(torch::equal(net->never->weight, fresh->never->weight));
+}
+
+TEST_CASE("gradients that arrive in another order on some ranks: all follow rank 0's buckets",
+          "[ddp]") {
+  // Note [gradient order across ranks]: odd ranks build the branches in the other order, so
+  // their gradients arrive in another order; they take rank 0's bucket plan and train the
+  // same bits as when every rank builds them alike.
+  const int n = comm().size();
+  const int rank = comm().rank();
+  {
+    // The premise: the build order decides the gradient order.
+    auto order_of = [](bool f_first) {
+      TwoBranch net;
+      net->f_first = f_first;
+      std::vector<std::string> order;
+      for (const auto& p : net->named_parameters()) {
+        const std::string name = p.key();
+        p.value().register_hook([&order, name](const at::Tensor& grad) {
+          order.push_back(name);
+          return grad;
+        });
+      }
+      net->forward(torch::ones({2, 8})).sum().backward();
+      return order;
+    };
+    const auto a = order_of(true);
+    const auto b = order_of(false);
+    REQUIRE(a.size() == 4);
+    CHECK(a != b);
+  }
+  auto opts = small_buckets(n % 2 == 0 ? "ring" : "complete", 1);
+  opts.bucket_cap_mb = 256.0 / (1 << 20);  // two parameters a bucket
+  opts.bucket_layout_key = nullptr;        // kept in gradient order inside a bucket
+  auto train = [&](bool flip_odd_ranks, bool gossip) {
+    TwoBranch net;
+    net->f_first = !(flip_odd_ranks && rank % 2 == 1);
+    auto loop = [&](auto& model) {
+      for (int step = 0; step < 6; ++step) {
+        auto b = batch_for(false, rank, step);
+        torch::mse_loss(model.forward(b.x), b.y).backward();
+      }
+      model.synchronize();
+    };
+    if (gossip) {
+      DecentralizedDataParallel<TwoBranch> model(net, opts, optim::adamw(), nullptr, shared_comm());
+      loop(model);
+    } else {
+      DistributedDataParallel<TwoBranch> model(net, opts, optim::adamw(), nullptr, shared_comm());
+      loop(model);
+    }
+    return net;
+  };
+  for (bool gossip : {true, false}) {
+    INFO("rank " << rank << (gossip ? " gossip" : " all-reduce"));
+    auto alike = train(false, gossip);
+    auto flipped = train(true, gossip);
+    auto p = alike->parameters();
+    auto q = flipped->parameters();
+    for (size_t k = 0; k < p.size(); ++k)
+      CHECK(torch::equal(p[k], q[k]));
+  }
+  if (n > 1) {
+    // Different parameters, not only a different order, are an error naming one of them.
+    TwoBranch net;
+    net->use = rank == 1 ? 'g' : 'f';
+    DecentralizedDataParallel<TwoBranch> model(net, opts, optim::adamw(), nullptr, shared_comm());
+    auto b = batch_for(false, rank, 0);
+    CHECK_THROWS_WITH(torch::mse_loss(model.forward(b.x), b.y).backward(),
+                      Catch::Contains("ranks disagree on the parameters that received gradients "
+                                      "in the first iteration: parameter #0 ('f.weight') "
+                                      "received one on rank 0 and not on rank 1"));
+  }
 }
 
 TEST_CASE("a parameter frozen after the first step counts as a missing gradient", "[ddp]") {

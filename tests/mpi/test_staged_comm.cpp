@@ -1,17 +1,24 @@
 // Host staging (Note [host staging]) and the choice of backend per device (backend.h), on
 // machines without a GPU: the staged communicator serving CPU tensors runs the same copies,
 // inner operations and copies back as for CUDA tensors; both wrappers trained through it
-// give the direct MPI run's bits.
+// give the direct MPI run's bits. Models on several devices (Note [routed communicator]):
+// each operation reaches its device's communicator (a recording one standing in for the
+// second device, on meta tensors), and the wrappers pick a communicator per device.
 #include "torch_catch.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/torch.h>
 
+#include <numeric>
+
 #include "decent_dp/backend.h"
 #include "decent_dp/config.h"
+#include "decent_dp/decent_optim_wrapper.h"
 #include "decent_dp/decentralized_data_parallel.h"
 #include "decent_dp/distributed_data_parallel.h"
 #include "decent_dp/optim/factories.h"
+#include "decent_dp/quantize_codec.h"
+#include "decent_dp/routed_communicator.h"
 #include "decent_dp/staged_communicator.h"
 #include "decent_dp/topology/topology.h"
 #include "mpi_test_util.h"
@@ -23,6 +30,66 @@ namespace {
 
 std::shared_ptr<Communicator> shared_comm() {
   return std::shared_ptr<Communicator>(&comm(), [](Communicator*) {});
+}
+
+// Stands in for a second device's communicator: takes meta tensors (no data), records each
+// operation and returns it finished.
+class RecordingCommunicator final : public Communicator {
+ public:
+  explicit RecordingCommunicator(int size_offset = 0) : size_offset_(size_offset) {}
+  Backend backend() const override { return Backend::kNccl; }
+  int rank() const override { return comm().rank(); }
+  int size() const override { return comm().size() + size_offset_; }
+  int local_rank() const override { return comm().local_rank(); }
+  int local_size() const override { return comm().local_size(); }
+  void make_groups(const std::vector<std::vector<int>>& groups) override {
+    calls.push_back("make_groups " + std::to_string(groups.size()));
+    for (const auto& g : groups) {
+      groups_.push_back(g);
+    }
+  }
+  bool has_group(const std::vector<int>& ranks) const override {
+    return std::find(groups_.begin(), groups_.end(), ranks) != groups_.end();
+  }
+  std::shared_ptr<Work> allreduce(const at::Tensor& input, const at::Tensor& output,
+                                  const AllreduceOptions& options) override {
+    return record("allreduce " + options.label, {input, output});
+  }
+  std::shared_ptr<Work> broadcast(const at::Tensor& tensor, int root) override {
+    return record("broadcast from " + std::to_string(root), {tensor});
+  }
+  std::shared_ptr<Work> allgather(const at::Tensor& output, const at::Tensor& input,
+                                  const AllgatherOptions& options) override {
+    return record("allgather " + options.label, {output, input});
+  }
+  std::shared_ptr<Work> allgather_varying(const at::Tensor& output, const at::Tensor& input,
+                                          const at::Tensor& lengths,
+                                          const AllgatherOptions& options) override {
+    return record("allgather_varying " + options.label, {output, input, lengths});
+  }
+  void barrier() override { calls.push_back("barrier"); }
+  at::Tensor allocate(int64_t numel, const at::TensorOptions& options) override {
+    calls.push_back("allocate " + std::to_string(numel));
+    return at::empty({numel}, options);
+  }
+  std::chrono::milliseconds timeout() const override { return std::chrono::milliseconds(1000); }
+  bool supports(const c10::Device& device) const override { return device.is_meta(); }
+
+  std::vector<std::string> calls;
+
+ private:
+  std::shared_ptr<Work> record(const std::string& what, std::vector<at::Tensor> tensors) {
+    calls.push_back(what);
+    auto work = std::make_shared<Work>(what, std::move(tensors), timeout());
+    work->finish();
+    return work;
+  }
+  int size_offset_;
+  std::vector<std::vector<int>> groups_;
+};
+
+at::Tensor meta(int64_t n) {
+  return at::empty({n}, at::TensorOptions().dtype(at::kFloat).device(c10::kMeta));
 }
 
 at::Tensor input_of(int rank, int64_t n, at::ScalarType dtype = at::kFloat) {
@@ -223,4 +290,183 @@ TEST_CASE("ranks sharing a GPU are found from every rank's host and device", "[s
   const auto same = decent_dp::detail::rank_devices(comm(), 0);
   CHECK(decent_dp::detail::first_shared_device(same) ==
         (n >= 2 ? std::make_pair(0, 1) : std::make_pair(-1, -1)));
+}
+
+TEST_CASE("routed communicator: each operation reaches its device's communicator", "[routed]") {
+  const int n = comm().size();
+  const int rank = comm().rank();
+  const c10::Device cpu(c10::kCPU);
+  const c10::Device on_meta(c10::kMeta);
+  auto second = std::make_shared<RecordingCommunicator>();
+  RoutedCommunicator routed(shared_comm(), {{cpu, shared_comm()}, {on_meta, second}});
+  CHECK(routed.rank() == rank);
+  CHECK(routed.size() == n);
+  CHECK(routed.supports(cpu));
+  CHECK(routed.supports(c10::Device(c10::kCPU, 0)));  // the CPU is one route
+  CHECK(routed.supports(on_meta));
+  CHECK_FALSE(routed.supports(c10::Device(c10::kCUDA, 0)));
+  CHECK(routed.find(cpu) == &comm());
+  CHECK(routed.find(on_meta) == second.get());
+  CHECK(routed.describe() == "cpu: mpi, meta: nccl");
+  CHECK(routed.backend() == Backend::kMpi);
+
+  // Groups: every route makes them, and a group is there when every route has it.
+  const auto topo = topology::make_topology(n % 2 == 0 ? "ring" : "complete", n, 1);
+  routed.make_groups(topo->distinct_groups());
+  REQUIRE(second->calls.size() == 1);
+  CHECK(second->calls[0] == "make_groups " + std::to_string(topo->distinct_groups().size()));
+  for (const auto& g : topo->distinct_groups()) {
+    if (std::find(g.begin(), g.end(), rank) != g.end()) {
+      CHECK(routed.has_group(g) == comm().has_group(g));
+    }
+  }
+  std::vector<int> everyone(n);
+  std::iota(everyone.begin(), everyone.end(), 0);
+  if (!second->has_group(everyone)) {
+    CHECK_FALSE(routed.has_group(everyone));  // MPI has the world; the second route does not
+  }
+
+  // CPU tensors take the MPI route, and its results; meta tensors the recording one.
+  auto direct = input_of(rank, 300);
+  comm().allreduce(direct, {}, ReduceOp::kAvg)->wait();
+  auto t = input_of(rank, 300);
+  routed.allreduce(t, t, AllreduceOptions{ReduceOp::kAvg, {}, {}, "cpu mean"})->wait();
+  CHECK(torch::equal(t, direct));
+  auto b = input_of(rank, 50);
+  routed.broadcast(b, 0)->wait();
+  CHECK(torch::equal(b, input_of(0, 50)));
+  auto gathered = torch::zeros({50 * n});
+  routed.allgather(gathered, input_of(rank, 50))->wait();
+  for (int r = 0; r < n; ++r) {
+    CHECK(torch::equal(gathered.narrow(0, 50 * r, 50), input_of(r, 50)));
+  }
+  CHECK(routed.allocate(70, at::TensorOptions().dtype(at::kFloat)).numel() == 70);
+  CHECK(second->calls.size() == 1);  // none of that went to the second route
+
+  auto m = meta(64);
+  routed.allreduce(m, m, AllreduceOptions{ReduceOp::kAvg, {}, {}, "bucket 1"})->wait();
+  routed.broadcast(m, 0)->wait();
+  routed.allgather(meta(64 * n), m, AllgatherOptions{{}, {}, "gather"})->wait();
+  routed
+      .allgather_varying(meta(64 * n), m, at::zeros({n}, at::kLong),
+                         AllgatherOptions{{}, {}, "varying"})
+      ->wait();
+  auto block = routed.allocate(64, at::TensorOptions().dtype(at::kFloat).device(c10::kMeta));
+  CHECK(block.is_meta());
+  CHECK(second->calls ==
+        std::vector<std::string>{"make_groups " + std::to_string(topo->distinct_groups().size()),
+                                 "allreduce bucket 1", "broadcast from 0", "allgather gather",
+                                 "allgather_varying varying", "allocate 64"});
+  routed.barrier();  // the control communicator's
+  CHECK(second->calls.back() == "allocate 64");
+
+  // One device per operation; devices without a route are named with the routes.
+  CHECK_THROWS_WITH(routed.allreduce(input_of(rank, 64), m, AllreduceOptions{}),
+                    Catch::Contains("allreduce: output is on meta and the input on cpu; an "
+                                    "operation's tensors must be on one device"));
+  CHECK_THROWS_WITH(routed.allgather(torch::zeros({64 * n}), m, AllgatherOptions{}),
+                    Catch::Contains("allgather: output is on cpu and the input on meta"));
+  RoutedCommunicator meta_only(shared_comm(), {{on_meta, second}});
+  CHECK_THROWS_WITH(meta_only.allreduce(input_of(rank, 8), {}, ReduceOp::kSum),
+                    Catch::Contains("allreduce: input is on cpu; this communicator routes "
+                                    "tensors on meta: nccl (one of those devices was expected)"));
+  CHECK_THROWS_WITH(meta_only.broadcast(input_of(rank, 8), 0),
+                    Catch::Contains("broadcast: tensor is on cpu"));
+  CHECK_THROWS_WITH(meta_only.allocate(8, at::TensorOptions()),
+                    Catch::Contains("allocate: the tensor is on cpu"));
+  CHECK_THROWS_WITH(routed.allreduce(at::Tensor(), {}, ReduceOp::kSum),
+                    Catch::Contains("allreduce: input must be defined"));
+  comm().barrier();
+}
+
+TEST_CASE("routed communicator: routes that cannot serve are refused, named", "[routed]") {
+  const c10::Device cpu(c10::kCPU);
+  auto second = std::make_shared<RecordingCommunicator>();
+  using Routes = std::vector<RoutedCommunicator::Route>;
+  CHECK_THROWS_WITH(RoutedCommunicator(shared_comm(), Routes{}),
+                    Catch::Contains("routes must name at least one device"));
+  CHECK_THROWS_WITH(RoutedCommunicator(nullptr, Routes{{cpu, shared_comm()}}),
+                    Catch::Contains("control must not be null"));
+  CHECK_THROWS_WITH(RoutedCommunicator(shared_comm(), Routes{{cpu, nullptr}}),
+                    Catch::Contains("the communicator of route 0 (cpu) must not be null"));
+  CHECK_THROWS_WITH(
+      RoutedCommunicator(shared_comm(), Routes{{cpu, shared_comm()}, {cpu, shared_comm()}}),
+      Catch::Contains("routes 0 and 1 are both for cpu; expected one route per device"));
+  CHECK_THROWS_WITH(RoutedCommunicator(shared_comm(), Routes{{cpu, shared_comm()},
+                                                             {c10::Device(c10::kCPU, 0), second}}),
+                    Catch::Contains("route 1 is for cpu:0, and its nccl communicator does not "
+                                    "take tensors there"));
+  CHECK_THROWS_WITH(RoutedCommunicator(shared_comm(), Routes{{c10::Device(c10::kCUDA), second}}),
+                    Catch::Contains("route 0 must name its CUDA device with an index (e.g. "
+                                    "cuda:0), got cuda"));
+  CHECK_THROWS_WITH(
+      RoutedCommunicator(shared_comm(), Routes{{c10::Device(c10::kMeta),
+                                                std::make_shared<RecordingCommunicator>(1)}}),
+      Catch::Contains("route 0 (meta) has rank " + std::to_string(comm().rank()) + " of " +
+                      std::to_string(comm().size() + 1) + ", the control communicator rank " +
+                      std::to_string(comm().rank()) + " of " + std::to_string(comm().size())));
+}
+
+TEST_CASE("models on several devices: a communicator per device, device types checked",
+          "[routed]") {
+  auto control = shared_comm();
+  const auto cpu_t = torch::zeros({2});
+  CHECK(decent_dp::detail::distinct_devices({cpu_t, meta(3), cpu_t, meta(1)}) ==
+        std::vector<c10::Device>{c10::Device(c10::kCPU), c10::Device(c10::kMeta)});
+  CHECK(decent_dp::detail::route_device(c10::Device(c10::kCPU, 0)) == c10::Device(c10::kCPU));
+  CHECK(communicator_for_devices({c10::Device(c10::kCPU)}, control) == control);
+  CHECK_THROWS_WITH(communicator_for_devices({}, control),
+                    Catch::Contains("communicator_for_devices: devices must not be empty"));
+  CHECK_THROWS_WITH(
+      communicator_for_devices({c10::Device(c10::kCPU), c10::Device(c10::kMeta)}, control),
+      Catch::Contains("no communication backend for tensors on meta"));
+
+  // Two layers, "0" on the CPU and "1" on the CPU or on meta. With one on meta, the wrappers
+  // ask each device for its communicator (and none exists for meta tensors).
+  auto make = [](bool tail_on_meta) {
+    torch::manual_seed(3);
+    auto net = std::make_shared<torch::nn::Module>();
+    net->register_module("0", torch::nn::Linear(8, 8));
+    auto tail = std::make_shared<torch::nn::Module>();
+    const auto on = at::TensorOptions().device(tail_on_meta ? c10::kMeta : c10::kCPU);
+    tail->register_parameter("weight", torch::empty({2, 8}, on));
+    tail->register_parameter("bias", torch::empty({2}, on));
+    net->register_module("1", tail);
+    return net;
+  };
+  auto split = [&make] { return make(true); };
+  using Wrapped = std::shared_ptr<torch::nn::Module>;
+  CHECK_THROWS_WITH((DecentralizedDataParallel<Wrapped>(split(), DataParallelOptions(),
+                                                        optim::adamw(), nullptr, control)),
+                    Catch::Contains("no communication backend for tensors on meta"));
+  CHECK_THROWS_WITH((DistributedDataParallel<Wrapped>(split(), DataParallelOptions(),
+                                                      optim::adamw(), nullptr, control)),
+                    Catch::Contains("no communication backend for tensors on meta"));
+  {
+    auto net = split();
+    auto inner =
+        std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1));
+    CHECK_THROWS_WITH(
+        DecentOptimWrapper(inner, comm().rank(), comm().size(), 1, "complete", 25.0, control),
+        Catch::Contains("no communication backend for tensors on meta"));
+  }
+  // Codecs stay on CPU buckets: the parameter elsewhere is named.
+  DataParallelOptions with_codec;
+  with_codec.codec = std::make_shared<QuantizeCodec>(8, 256);
+  CHECK_THROWS_WITH(
+      (DecentralizedDataParallel<Wrapped>(split(), with_codec, optim::adamw(), nullptr, control)),
+      Catch::Contains("codecs and aggregators run on CPU buckets, and parameter "
+                      "'1.weight' is on meta"));
+
+  if (comm().size() > 1) {
+    // Device types are part of the model every rank must hold alike.
+    auto net = make(comm().rank() == 1);
+    CHECK_THROWS_WITH((DecentralizedDataParallel<Wrapped>(net, DataParallelOptions(),
+                                                          optim::adamw(), nullptr, control)),
+                      Catch::Contains("the model differs across ranks at entry 2: rank 0 has "
+                                      "'1.weight' [2, 8] Float requires_grad on cpu (its device "
+                                      "#0), rank 1 has '1.weight' [2, 8] Float requires_grad on "
+                                      "meta (its device #1)"));
+  }
+  comm().barrier();
 }
