@@ -7,7 +7,8 @@
 // - the fused optimizers on CUDA against the CPU;
 // - bfloat16 and float16 parameters and buckets, end to end;
 // - a model on the CPU and the GPU at once: its CPU buckets exchange through MPI, its CUDA
-//   buckets through NCCL (or host staging), against the same model all on the CPU.
+//   buckets through NCCL (or host staging), against the same model all on the CPU;
+// - checkpoints of such models and of models all on the GPU resume the run.
 // Where no GPU exists, DECENT_DP_GPU_TESTS_ON_CPU=1 runs the cases that need no CUDA with the
 // CPU standing in for the GPU (ctest's test_gpu_cpu_standin): their comparisons, tolerances
 // and low-precision runs are then checked on every CI run, not first on a lent GPU.
@@ -15,7 +16,11 @@
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <ftw.h>
 #include <torch/torch.h>
+#include <unistd.h>
+
+#include <cstdio>
 
 #include "decent_dp/backend.h"
 #include "decent_dp/config.h"
@@ -448,4 +453,74 @@ TEST_CASE("a model on the CPU and the GPU: each bucket exchanges on its device's
   const auto mixed = run(dev);
   for (size_t k = 0; k < ref.size(); ++k)
     CHECK(max_rel(mixed[k], ref[k]) <= 1e-4);
+}
+
+TEST_CASE("a checkpoint of a GPU model or a CPU+GPU model resumes the run", "[gpu][checkpoint]") {
+  // 4 steps, save, 4 more: the reference. A fresh wrapper that loads the checkpoint and trains
+  // the last 4 steps must end where the reference did (optimizer moments and the exchange in
+  // flight included).
+  const c10::Device cpu(c10::kCPU);
+  const c10::Device dev = my_device();
+  at::Tensor pid = at::zeros({1}, at::kLong);
+  if (comm().rank() == 0) {
+    pid.fill_(static_cast<int64_t>(::getpid()));
+  }
+  comm().broadcast(pid, 0)->wait();
+  const std::string base = "/tmp/decent_dp_gpu_checkpoint." + std::to_string(pid.item<int64_t>());
+  auto options = small_buckets(comm().size() % 2 == 0 ? "ring" : "complete");
+  auto steps = [&](auto& model, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      auto [x, y] = batch_for(comm().rank(), step);
+      torch::mse_loss(model.forward(x), y.to(dev)).backward();
+    }
+  };
+  // Trains the last 4 steps from `dir` (resume) or the 8 steps saving at 4; returns the
+  // parameters on the CPU.
+  auto run = [&](const c10::Device& head, bool gossip, bool resume, const std::string& dir) {
+    SplitMlp net(head, dev);
+    auto go = [&](auto& model) {
+      if (resume) {
+        model.load(dir);
+      } else {
+        steps(model, 0, 4);
+        model.save(dir);
+      }
+      steps(model, 4, 8);
+      model.synchronize();
+    };
+    if (gossip) {
+      DecentralizedDataParallel<SplitMlp> model(net, options, optim::adamw(), nullptr,
+                                                shared_comm());
+      go(model);
+    } else {
+      DistributedDataParallel<SplitMlp> model(net, options, optim::adamw(), nullptr, shared_comm());
+      go(model);
+    }
+    std::vector<at::Tensor> out;
+    for (const auto& p : net->parameters()) {
+      out.push_back(p.detach().to(torch::kCPU));
+    }
+    return out;
+  };
+  for (const c10::Device& head : {dev, cpu}) {
+    for (bool gossip : {true, false}) {
+      const std::string dir =
+          base + "/" + (head.is_cpu() ? "split" : "device") + (gossip ? "_gossip" : "_allreduce");
+      INFO("first layer on " << head.str() << ", the rest on " << dev.str()
+                             << (gossip ? ", gossip" : ", all-reduce"));
+      const auto ref = run(head, gossip, false, dir);
+      const auto resumed = run(head, gossip, true, dir);
+      REQUIRE(resumed.size() == ref.size());
+      for (size_t k = 0; k < ref.size(); ++k)
+        CHECK(max_rel(resumed[k], ref[k]) <= 1e-6);
+    }
+  }
+  comm().barrier();
+  if (comm().rank() == 0) {
+    // nftw, not std::filesystem: libtorch exports its own copies of those symbols.
+    ::nftw(
+        base.c_str(),
+        [](const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }, 16,
+        FTW_DEPTH | FTW_PHYS);
+  }
 }
