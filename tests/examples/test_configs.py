@@ -48,9 +48,9 @@ class Configs(unittest.TestCase):
         if settings.get("aggregator") == "trimmed-mean":
             # The configs drop b = 2 of 8 values; 4 ranks form groups of 4, which allow b = 1.
             extra = ["--trim", "1"]
-        r = subprocess.run(runs.mpirun_prefix(RANKS) + [self.trainer, "--config", path] +
-                           FEW_STEPS + extra + ["--progress", "lines", "--output", out],
-                           capture_output=True, text=True, env=runs.mpirun_env(), timeout=300)
+        r = runs.run_mpirun(runs.mpirun_prefix(RANKS) + [self.trainer, "--config", path] +
+                            FEW_STEPS + extra + ["--progress", "lines", "--output", out],
+                            timeout=300, env=runs.mpirun_env())
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         return settings, out, r.stdout
 

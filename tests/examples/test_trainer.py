@@ -9,7 +9,6 @@ with a message.
 import csv
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import unittest
@@ -28,8 +27,9 @@ SMALL = ["--train-subset", "2048", "--test-subset", "1000", "--epochs", "1", "--
 
 
 def trainer(args, ranks=2, timeout=240):
-    return subprocess.run(runs.mpirun_prefix(ranks) + [TRAINER] + args, capture_output=True,
-                          text=True, env=runs.mpirun_env(), timeout=timeout)
+    # Through run_mpirun: the error cases exit non-zero (Note [mpirun lingering]).
+    return runs.run_mpirun(runs.mpirun_prefix(ranks) + [TRAINER] + args, timeout=timeout,
+                           env=runs.mpirun_env())
 
 
 class Trainer(unittest.TestCase):

@@ -1,6 +1,9 @@
 """A rank that dies by a signal in the middle of a 4-rank gossip job: the job ends promptly and
 non-zero, mpirun names the dead rank, no process of the job survives it and none of its
-shared-memory segments stays in /dev/shm (Note [shared-memory janitor]).
+shared-memory segments stays in /dev/shm (Note [shared-memory janitor]). Jobs are launched
+through decent_dp_runs.run_mpirun: an mpirun that hangs in its own finalize after all its ranks
+have exited is ended there, and the time it spent so is not the job's (Note [mpirun
+lingering]).
 
   python tests/faults/test_faults.py   (DECENT_DP_BUILD_DIR: the build folder)
 """
@@ -43,16 +46,20 @@ def wait_until(predicate, seconds):
     return predicate()
 
 
+def run_job(args, env=None):
+    """(result, seconds until its ranks were done) of a 4-rank fault_rank job."""
+    start = time.monotonic()
+    r = runs.run_mpirun(runs.mpirun_prefix(4) + [FAULT_RANK] + [str(a) for a in args],
+                        timeout=240, env=env or runs.mpirun_env())
+    return r, time.monotonic() - start - r.lingered_s
+
+
 class DyingRank(unittest.TestCase):
-    def run_job(self, sig, die_rank=2, ranks=4):
-        start = time.monotonic()
-        r = subprocess.run(runs.mpirun_prefix(ranks) +
-                           [FAULT_RANK, str(die_rank), str(int(sig)), "20", "100000"],
-                           capture_output=True, text=True, env=runs.mpirun_env(), timeout=240)
-        elapsed = time.monotonic() - start
+    def run_job(self, sig, die_rank=2):
+        r, elapsed = run_job([die_rank, int(sig), 20, 100000])
         out = r.stdout + r.stderr
         pids = [int(p) for p in re.findall(r"^rank \d+ pid (\d+)$", r.stdout, re.M)]
-        self.assertEqual(len(pids), ranks, out)
+        self.assertEqual(len(pids), 4, out)
         self.assertIn(f"rank {die_rank} raising signal {int(sig)}", r.stdout)
         self.assertNotEqual(r.returncode, 0, out)
         self.assertNotIn("finished", r.stdout, "a rank trained on after its peer died")
@@ -76,8 +83,7 @@ class DyingRank(unittest.TestCase):
         # its group, bucket and update; then training goes on and the job ends cleanly.
         env = runs.mpirun_env()
         env["DECENT_DP_STALL_WARN_MS"] = "500"
-        r = subprocess.run(runs.mpirun_prefix(4) + [FAULT_RANK, "2", "0", "20", "40"],
-                           capture_output=True, text=True, env=env, timeout=240)
+        r, _ = run_job([2, 0, 20, 40], env)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
         self.assertRegex(r.stderr, r"still waiting for allreduce\(avg, \d+ x Float\) on group "
                          r"\[[0-9,]*2[0-9,]*\] \(rank \d, bucket \d+, exchange of update \d+\) "
@@ -90,11 +96,7 @@ class DyingRank(unittest.TestCase):
         env = runs.mpirun_env()
         env["DECENT_DP_STALL_WARN_MS"] = "500"
         env["DECENT_DP_TIMEOUT_MS"] = "3000"
-        start = time.monotonic()
-        r = subprocess.run(runs.mpirun_prefix(4) +
-                           [FAULT_RANK, "1", str(int(signal.SIGSTOP)), "20", "100000"],
-                           capture_output=True, text=True, env=env, timeout=240)
-        elapsed = time.monotonic() - start
+        r, elapsed = run_job([1, int(signal.SIGSTOP), 20, 100000], env)
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("still waiting for", r.stderr)
         self.assertRegex(r.stderr, r"on group \[[0-9,]*1[0-9,]*\] \(rank \d, bucket \d+, "
@@ -107,10 +109,7 @@ class DyingRank(unittest.TestCase):
     def test_rank_that_leaves_early_is_named_at_once(self):
         # Rank 2 has fewer batches: it leaves after 20 steps and exits normally. The ranks
         # still waiting on it fail within seconds (the timeout is 10 minutes), naming it.
-        start = time.monotonic()
-        r = subprocess.run(runs.mpirun_prefix(4) + [FAULT_RANK, "2", "-1", "20", "100000"],
-                           capture_output=True, text=True, env=runs.mpirun_env(), timeout=240)
-        elapsed = time.monotonic() - start
+        r, elapsed = run_job([2, -1, 20, 100000])
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("rank 2 leaving after 20 steps", r.stdout)
         self.assertRegex(r.stderr, r"rank 2 has left: its communicator shut down .* after "
@@ -125,6 +124,34 @@ class DyingRank(unittest.TestCase):
 
     def test_sigterm(self):
         print(f"SIGTERM: job ended in {self.run_job(signal.SIGTERM):.1f} s", file=sys.stderr)
+
+
+class LingeringMpirun(unittest.TestCase):
+    # Note [mpirun lingering]: a launcher that outlives its ranks is ended; one that returns
+    # by itself is left alone. A shell stands in for mpirun: its child is the rank.
+    def test_a_launcher_hung_after_its_ranks_is_ended(self):
+        fake = ["bash", "-c", "sh -c 'sleep 0.6; echo rank out; exit 3' & wait; "
+                "echo aborted >&2; exec sleep 120"]
+        start = time.monotonic()
+        r = runs.run_mpirun(fake, timeout=60, linger=1.0)
+        self.assertLess(time.monotonic() - start, 30)
+        self.assertGreater(r.lingered_s, 1.0)
+        self.assertLess(r.lingered_s, 5.0)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertEqual(r.stdout, "rank out\n")
+        self.assertEqual(r.stderr, "aborted\n")
+        self.assertGreater(r.ranks_exited_s, 0.5)
+
+    def test_a_launcher_that_returns_is_left_alone(self):
+        r = runs.run_mpirun(["bash", "-c", "sh -c 'sleep 0.5; echo done' & wait; exit 4"],
+                            timeout=60, linger=1.0)
+        self.assertEqual(r.returncode, 4)
+        self.assertEqual(r.stdout, "done\n")
+        self.assertEqual(r.lingered_s, 0.0)
+
+    def test_a_launcher_past_its_timeout_raises(self):
+        with self.assertRaises(subprocess.TimeoutExpired):
+            runs.run_mpirun(["bash", "-c", "sleep 120"], timeout=1)
 
 
 if __name__ == "__main__":
