@@ -146,23 +146,20 @@ def run_mpirun(cmd, timeout, env=None, linger=MPIRUN_LINGER_S, **kw):
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, **kw)
-    out, err = [], []
     seen_rank = False
     ranks_exited = None
     lingered = 0.0
     while True:
         try:
-            o, e = proc.communicate(timeout=0.2)
-            out.append(o or "")
-            err.append(e or "")
+            out, err = proc.communicate(timeout=0.2)
             break
         except subprocess.TimeoutExpired:
             pass
         now = time.monotonic()
         if now - start > timeout:
             proc.kill()
-            o, e = proc.communicate()
-            raise subprocess.TimeoutExpired(cmd, timeout, output=o, stderr=e)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
         if live_children(proc.pid):
             seen_rank = True
             ranks_exited = None
@@ -174,11 +171,9 @@ def run_mpirun(cmd, timeout, env=None, linger=MPIRUN_LINGER_S, **kw):
                   f"exited, and was ended (Note [mpirun lingering] in "
                   f"benchmarks/decent_dp_runs.py)", file=sys.stderr)
             proc.kill()
-            o, e = proc.communicate()
-            out.append(o or "")
-            err.append(e or "")
+            out, err = proc.communicate()
             break
-    result = subprocess.CompletedProcess(cmd, proc.returncode, "".join(out), "".join(err))
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out or "", err or "")
     result.ranks_exited_s = (ranks_exited - start) if ranks_exited is not None else None
     result.lingered_s = lingered
     return result

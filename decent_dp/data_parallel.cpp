@@ -201,15 +201,15 @@ void DataParallelCore::build_buckets() {
                         "gradients (an Embedding or EmbeddingBag built with sparse(true)? build "
                         "it with sparse(false))");
   }
-  bool differs = false;
-  order = agree_first_order(*control_, order, params_, names_, &differs);
-  if (differs) {
+  const std::vector<size_t> agreed = agree_first_order(*control_, order, names_);
+  if (agreed != order) {
     DECENT_DP_LOG_INFO(detail::cat(
         who_, ": rank ", control_->rank(),
         "'s gradients became ready in another order than rank 0's in the first iteration; "
         "the buckets follow rank 0's (Note [gradient order across ranks])"));
+    order = agreed;
+    ready_->restore_first_order(order);
   }
-  ready_->restore_first_order(order);
   // Parameters that never received a gradient are left out, with one warning each.
   std::vector<char> seen(params_.size(), 0);
   for (size_t i : order) {

@@ -169,8 +169,7 @@ void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& ten
 // gradients then arrive in another order overlaps less (a bucket waits for its predecessors,
 // Note [gradient-ready bookkeeping]); its collectives still match its peers'.
 std::vector<size_t> agree_first_order(Communicator& control, const std::vector<size_t>& order,
-                                      const std::vector<at::Tensor>& params,
-                                      const std::vector<std::string>& names, bool* differs) {
+                                      const std::vector<std::string>& names) {
   const auto counts = allgather_scalar(control, static_cast<int64_t>(order.size()));
   for (int r = 0; r < control.size(); ++r) {
     if (counts[r] != counts[0]) {
@@ -206,13 +205,10 @@ std::vector<size_t> agree_first_order(Communicator& control, const std::vector<s
   }
   std::vector<size_t> agreed;
   for (int64_t i : rows[0]) {
-    DECENT_DP_CHECK_ARG(i >= 0 && i < static_cast<int64_t>(params.size()),
+    DECENT_DP_CHECK_ARG(i >= 0 && i < static_cast<int64_t>(names.size()),
                         "agree_first_order: parameter index ", i, " out of range [0, ",
-                        params.size(), ")");
+                        names.size(), ")");
     agreed.push_back(static_cast<size_t>(i));
-  }
-  if (differs != nullptr) {
-    *differs = agreed != order;
   }
   return agreed;
 }

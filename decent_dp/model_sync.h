@@ -24,14 +24,11 @@ void check_same_model(Communicator& control, const NamedTensors& items);
 // Collective over `comm`: every tensor takes rank 0's values (any layout).
 void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& tensors);
 
-// Collective. The first-iteration order of parameter indices (`order`, into `params` /
-// `names`) that every rank's buckets follow: rank 0's. Throws Error unless every rank's
-// order holds the same parameters, naming the first difference. The orders themselves may
-// differ (Note [gradient order across ranks] in model_sync.cpp); `differs`, when given, is
-// set to whether this rank's did.
+// Collective. The first-iteration order of parameter indices (`order`, into `names`) that
+// every rank's buckets follow: rank 0's. Throws Error unless every rank's order holds the
+// same parameters, naming the first difference. The orders themselves may differ (Note
+// [gradient order across ranks] in model_sync.cpp).
 std::vector<size_t> agree_first_order(Communicator& control, const std::vector<size_t>& order,
-                                      const std::vector<at::Tensor>& params,
-                                      const std::vector<std::string>& names,
-                                      bool* differs = nullptr);
+                                      const std::vector<std::string>& names);
 
 }  // namespace decent_dp

@@ -69,12 +69,17 @@ Communicator& RoutedCommunicator::route(const c10::Device& device, const char* w
   return *comm;
 }
 
-void RoutedCommunicator::check_on(const at::Tensor& t, const c10::Device& device, const char* who,
-                                  const char* name) {
-  DECENT_DP_CHECK_ARG(t.defined(), who, ": ", name, " must be defined");
-  DECENT_DP_CHECK_ARG(same_route(device, t.device()), who, ": ", name, " is on ", t.device().str(),
-                      " and the input on ", device.str(),
-                      "; an operation's tensors must be on one device");
+Communicator& RoutedCommunicator::route_of(const char* who, const char* name,
+                                           const at::Tensor& input,
+                                           const at::Tensor* output) const {
+  DECENT_DP_CHECK_ARG(input.defined(), who, ": ", name, " must be defined");
+  if (output != nullptr) {
+    DECENT_DP_CHECK_ARG(output->defined(), who, ": output must be defined");
+    DECENT_DP_CHECK_ARG(same_route(input.device(), output->device()), who, ": output is on ",
+                        output->device().str(), " and the input on ", input.device().str(),
+                        "; an operation's tensors must be on one device");
+  }
+  return route(input.device(), who, name);
 }
 
 void RoutedCommunicator::make_groups(const std::vector<std::vector<int>>& groups) {
@@ -96,32 +101,25 @@ bool RoutedCommunicator::has_group(const std::vector<int>& ranks) const {
 std::shared_ptr<Work> RoutedCommunicator::allreduce(const at::Tensor& input,
                                                     const at::Tensor& output,
                                                     const AllreduceOptions& options) {
-  DECENT_DP_CHECK_ARG(input.defined(), "allreduce: input must be defined");
-  check_on(output, input.device(), "allreduce", "output");
-  return route(input.device(), "allreduce", "input").allreduce(input, output, options);
+  return route_of("allreduce", "input", input, &output).allreduce(input, output, options);
 }
 
 std::shared_ptr<Work> RoutedCommunicator::broadcast(const at::Tensor& tensor, int root) {
-  DECENT_DP_CHECK_ARG(tensor.defined(), "broadcast: tensor must be defined");
-  return route(tensor.device(), "broadcast", "tensor").broadcast(tensor, root);
+  return route_of("broadcast", "tensor", tensor).broadcast(tensor, root);
 }
 
 std::shared_ptr<Work> RoutedCommunicator::allgather(const at::Tensor& output,
                                                     const at::Tensor& input,
                                                     const AllgatherOptions& options) {
-  DECENT_DP_CHECK_ARG(input.defined(), "allgather: input must be defined");
-  check_on(output, input.device(), "allgather", "output");
-  return route(input.device(), "allgather", "input").allgather(output, input, options);
+  return route_of("allgather", "input", input, &output).allgather(output, input, options);
 }
 
 std::shared_ptr<Work> RoutedCommunicator::allgather_varying(const at::Tensor& output,
                                                             const at::Tensor& input,
                                                             const at::Tensor& lengths,
                                                             const AllgatherOptions& options) {
-  DECENT_DP_CHECK_ARG(input.defined(), "allgather_varying: input must be defined");
-  check_on(output, input.device(), "allgather_varying", "output");
   // The lengths are the route's business (the MPI backend wants them on the CPU).
-  return route(input.device(), "allgather_varying", "input")
+  return route_of("allgather_varying", "input", input, &output)
       .allgather_varying(output, input, lengths, options);
 }
 

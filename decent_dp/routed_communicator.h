@@ -74,9 +74,10 @@ class RoutedCommunicator final : public Communicator {
   // The route of `device`; InvalidArgument naming `who`, `name` and the routed devices when
   // there is none.
   Communicator& route(const c10::Device& device, const char* who, const char* name) const;
-  // `t` defined and on `device` (InvalidArgument naming `who` and `name` otherwise).
-  static void check_on(const at::Tensor& t, const c10::Device& device, const char* who,
-                       const char* name);
+  // The route of operation `who` on `input` (called `name` in messages), whose `output`, if
+  // given, must be defined and on the same device.
+  Communicator& route_of(const char* who, const char* name, const at::Tensor& input,
+                         const at::Tensor* output = nullptr) const;
 
   std::shared_ptr<Communicator> control_;
   std::vector<Route> routes_;
